@@ -1,0 +1,120 @@
+"""Real text as byte-level tokens, and deterministic per-step batches.
+
+The built-in corpus is text that every CPython install ships: the documentation topics of
+``pydoc_data`` (English prose from the Python reference manual) followed by standard library
+source files, so the main job trains on real text with no download.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sysconfig
+
+import numpy as np
+
+from shardkit.errors import ShardkitError
+
+_STDLIB_FILES = (
+    "this.py", "textwrap.py", "string.py", "functools.py", "dataclasses.py", "argparse.py",
+    "collections/__init__.py", "json/encoder.py", "json/decoder.py", "pathlib.py", "random.py",
+    "statistics.py", "fractions.py", "heapq.py", "bisect.py", "typing.py", "inspect.py",
+)
+
+
+def builtin_corpus(max_bytes: int = 4_000_000) -> bytes:
+    """The built-in training text: Python's documentation topics, then stdlib sources.
+
+    Args:
+      max_bytes: cut the corpus at this many bytes.
+
+    Returns:
+      UTF-8 bytes, the same on every machine with the same Python version.
+    """
+    from pydoc_data import topics  # ships with CPython: the reference manual's topics as text
+
+    parts = [topics.topics[name] for name in sorted(topics.topics)]
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    for rel in _STDLIB_FILES:
+        path = stdlib / rel
+        if path.is_file():
+            parts.append(path.read_text(encoding="utf-8", errors="replace"))
+    return "\n\n".join(parts).encode("utf-8")[:max_bytes]
+
+
+def load_text(path: str | pathlib.Path) -> bytes:
+    """Read a user's text file (or every ``*.txt`` file of a directory, sorted) as bytes."""
+    p = pathlib.Path(path)
+    if p.is_dir():
+        files = sorted(p.rglob("*.txt"))
+        if not files:
+            raise ShardkitError(f"--data {p}: the directory has no *.txt files. Point --data at a text file.")
+        return b"\n\n".join(f.read_bytes() for f in files)
+    if not p.is_file():
+        raise ShardkitError(f"--data {p}: no such file. Give the path of a text file (or a directory of *.txt).")
+    return p.read_bytes()
+
+
+@dataclasses.dataclass(frozen=True)
+class TextDataset:
+    """Byte-level tokens (vocabulary 256) with deterministic random windows per step.
+
+    A batch depends only on ``(seed, step)``, so the data position of a run is its step, a
+    restarted run sees the same batches, and each process can cut its own rows of the global batch.
+
+    Example:
+      >>> ds = TextDataset.from_bytes(b"hello world " * 100)
+      >>> ds.batch(step=0, batch_size=4, seq_len=8)["tokens"].shape
+      (4, 9)
+    """
+
+    tokens: np.ndarray  # (N,) uint8
+    seed: int = 0
+
+    VOCAB = 256
+
+    @classmethod
+    def from_bytes(cls, text: bytes, seed: int = 0) -> TextDataset:
+        return cls(np.frombuffer(text, dtype=np.uint8).copy(), seed)
+
+    @classmethod
+    def builtin(cls, seed: int = 0) -> TextDataset:
+        """The built-in corpus (see :func:`builtin_corpus`)."""
+        return cls.from_bytes(builtin_corpus(), seed)
+
+    def batch(
+        self, step: int, batch_size: int, seq_len: int, process_index: int = 0, process_count: int = 1
+    ) -> dict[str, np.ndarray]:
+        """Rows of the global batch of ``step`` that belong to ``process_index``.
+
+        Args:
+          step: the training step (the data position).
+          batch_size: global batch size, divisible by ``process_count``.
+          seq_len: tokens per row the model sees; rows hold ``seq_len + 1`` (inputs and targets).
+          process_index, process_count: this process's slice of the global batch.
+
+        Returns:
+          ``{"tokens": (batch_size // process_count, seq_len + 1) int32}``.
+        """
+        if len(self.tokens) <= seq_len + 1:
+            raise ShardkitError(
+                f"The text has {len(self.tokens)} tokens, too few for windows of seq_len+1={seq_len + 1}. "
+                "Use more text or a shorter --seq."
+            )
+        if batch_size % process_count:
+            raise ShardkitError(
+                f"Global batch {batch_size} does not divide over {process_count} processes; "
+                f"use a multiple of {process_count}."
+            )
+        rng = np.random.default_rng([self.seed, step])
+        starts = rng.integers(0, len(self.tokens) - seq_len - 1, size=batch_size)
+        per = batch_size // process_count
+        mine = starts[process_index * per : (process_index + 1) * per]
+        rows = np.stack([self.tokens[s : s + seq_len + 1] for s in mine]).astype(np.int32)
+        return {"tokens": rows}
+
+    def decode(self, tokens: np.ndarray) -> str:
+        return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)

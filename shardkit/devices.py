@@ -1,0 +1,58 @@
+"""Simulated CPU devices: N devices on one host, so any layout runs on a laptop.
+
+JAX fixes its device list when the backend first starts, so the count must be chosen before the
+first array is created. ``simulate_devices`` sets it through JAX's own option
+(``jax_num_cpu_devices``) and refuses, with the fix spelled out, when it is already too late.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax._src import xla_bridge  # backends_are_initialized has no public alias in jax 0.10
+
+from shardkit.errors import ShardkitError
+
+TOO_LATE = """\
+simulate_devices({n}) was called after JAX had started with {have} {platform} device(s).
+The device count is fixed when JAX's backend starts (the first array, jax.devices(), ...).
+Fix: call it first thing, before any JAX computation:
+
+    import shardkit as sk
+    sk.simulate_devices({n})      # first line after the imports
+    ...
+
+In a notebook, restart the kernel and run that cell first; in a shell, you can instead set
+    XLA_FLAGS=--xla_force_host_platform_device_count={n} JAX_PLATFORMS=cpu
+"""
+
+
+def simulate_devices(n: int) -> list[jax.Device]:
+    """Make JAX run on ``n`` simulated CPU devices (all on this host).
+
+    Call before anything else touches JAX. Calling again with the same ``n`` is harmless.
+
+    Args:
+      n: number of devices to simulate, >= 1.
+
+    Returns:
+      The ``n`` CPU devices.
+
+    Raises:
+      ShardkitError: if ``n`` is not a positive integer, or JAX already started with another
+        device count or platform.
+
+    Example:
+      >>> import shardkit as sk
+      >>> len(sk.simulate_devices(8))
+      8
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ShardkitError(f"simulate_devices(n) needs a positive integer, got {n!r}.")
+    if xla_bridge.backends_are_initialized():
+        devices = jax.devices()
+        if devices[0].platform == "cpu" and len(devices) == n:
+            return devices
+        raise ShardkitError(TOO_LATE.format(n=n, have=len(devices), platform=devices[0].platform))
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
+    return jax.devices()

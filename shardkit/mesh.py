@@ -1,0 +1,168 @@
+"""Layout: the sizes of the mesh axes, and the jax Mesh built from them.
+
+Mesh axes are always the canonical six, in this order, size 1 where unused:
+``data, fsdp, tensor, sequence, stage, expert``; a user may append axes of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from shardkit.errors import ShardkitError
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "sequence", "stage", "expert")
+_AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Sizes of the mesh axes. ``-1`` on one axis means "all devices left over".
+
+    Attributes:
+      sizes: ordered ``(axis, size)`` pairs: the canonical axes first, then any custom ones.
+
+    Example:
+      >>> Layout.parse("data=2,fsdp=-1,tensor=2").resolve(8).spec()
+      'data=2,fsdp=2,tensor=2'
+    """
+
+    sizes: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def of(cls, **sizes: int) -> Layout:
+        """Build a layout from keyword sizes: ``Layout.of(data=2, tensor=4)``."""
+        for name, size in sizes.items():
+            if not _AXIS_NAME.match(name):
+                raise ShardkitError(f"Mesh axis name {name!r} is not an identifier; use e.g. 'data'.")
+            if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+                raise ShardkitError(
+                    f"Mesh axis {name}={size!r}: a size must be a positive integer, or -1 for "
+                    "'the rest of the devices'."
+                )
+        if sum(1 for s in sizes.values() if s == -1) > 1:
+            raise ShardkitError(
+                f"Layout {sizes} has more than one axis of size -1; only one axis can take "
+                "'the rest of the devices'. Give explicit sizes to the others."
+            )
+        custom = [a for a in sizes if a not in MESH_AXES]
+        ordered = [(a, sizes.get(a, 1)) for a in MESH_AXES] + [(a, sizes[a]) for a in custom]
+        return cls(tuple(ordered))
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """Parse ``"data=2,fsdp=-1,tensor=2"`` (spaces allowed; unnamed axes have size 1).
+
+        Raises:
+          ShardkitError: on a malformed entry or an axis named twice.
+        """
+        if isinstance(text, Layout):
+            return text
+        sizes: dict[str, int] = {}
+        for part in (p.strip() for p in str(text).split(",")):
+            if not part:
+                continue
+            name, eq, value = (s.strip() for s in part.partition("="))
+            try:
+                size = int(value)
+            except ValueError:
+                size = None
+            if not eq or size is None:
+                raise ShardkitError(
+                    f"Cannot read layout entry {part!r} in {text!r}: write axis=size, e.g. "
+                    "'data=2,fsdp=-1,tensor=2'."
+                )
+            if name in sizes:
+                raise ShardkitError(f"Layout {text!r} names axis {name!r} twice; name each axis once.")
+            sizes[name] = size
+        return cls.of(**sizes)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(a for a, _ in self.sizes)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    def size(self, axis: str) -> int:
+        return self.shape.get(axis, 1)
+
+    @property
+    def num_devices(self) -> int:
+        """Product of the sizes (only meaningful once resolved, i.e. with no -1)."""
+        return math.prod(s for _, s in self.sizes)
+
+    def resolve(self, num_devices: int) -> Layout:
+        """Replace -1 by the devices left over, and check the product equals ``num_devices``."""
+        known = math.prod(s for _, s in self.sizes if s != -1)
+        has_rest = any(s == -1 for _, s in self.sizes)
+        if has_rest:
+            if num_devices % known:
+                raise ShardkitError(
+                    f"Layout {self.spec()} cannot fill {num_devices} devices: the fixed axes use "
+                    f"{known}, which does not divide {num_devices}. Choose sizes whose product "
+                    f"divides {num_devices}."
+                )
+            return Layout(tuple((a, num_devices // known if s == -1 else s) for a, s in self.sizes))
+        if known != num_devices:
+            raise ShardkitError(
+                f"Layout {self.spec()} needs {known} devices but {num_devices} are available. "
+                f"Make the sizes multiply to {num_devices} (e.g. put -1 on one axis: "
+                f"'{_example_fill(self)}'), or run on {known} devices "
+                f"(sk.simulate_devices({known}) on CPU)."
+            )
+        return self
+
+    def spec(self) -> str:
+        """The layout as a ``--layout`` string, omitting axes of size 1."""
+        parts = [f"{a}={s}" for a, s in self.sizes if s != 1]
+        return ",".join(parts) if parts else "data=1"
+
+    def __str__(self) -> str:
+        return self.spec()
+
+    def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+        """Build a ``jax.sharding.Mesh`` with Auto axis types over ``devices`` (default: all).
+
+        Axis order is the layout's order, so the innermost axes (``expert``, ``stage``,
+        ``sequence``, ``tensor``) get neighbouring devices.
+
+        Example:
+          >>> mesh = Layout.parse("data=2,tensor=4").make_mesh()
+          >>> dict(mesh.shape)["tensor"]
+          4
+        """
+        devices = list(jax.devices() if devices is None else devices)
+        layout = self.resolve(len(devices))
+        shape = tuple(s for _, s in layout.sizes)
+        if devices and devices[0].platform != "cpu":
+            # On real hardware let JAX order devices by the physical topology (NVLink, ICI).
+            device_array = mesh_utils.create_device_mesh(shape, devices)
+        else:
+            device_array = np.asarray(devices, dtype=object).reshape(shape)
+        return Mesh(device_array, layout.axis_names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def _example_fill(layout: Layout) -> str:
+    sizes = dict(layout.sizes)
+    biggest = max(sizes, key=lambda a: sizes[a])
+    return ",".join(f"{a}={'-1' if a == biggest else s}" for a, s in sizes.items() if s != 1)
+
+
+def as_layout(layout: Layout | str | Mapping[str, int]) -> Layout:
+    """Accept a Layout, a ``"data=2,..."`` string, or a mapping of sizes."""
+    if isinstance(layout, Layout):
+        return layout
+    if isinstance(layout, str):
+        return Layout.parse(layout)
+    if isinstance(layout, Mapping):
+        return Layout.of(**layout)
+    raise ShardkitError(f"Expected a Layout, a string like 'data=2,tensor=4' or a dict; got {layout!r}.")

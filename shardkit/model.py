@@ -1,0 +1,151 @@
+"""Model: what shardkit needs of a Flax model, whatever API it was written in.
+
+A :class:`Model` is a pure ``init(key) -> params`` and ``apply(params, inputs, key) -> outputs``
+over a plain params pytree (nested dicts of arrays), plus the logical axis names of every
+parameter. :func:`from_nnx`, :func:`from_linen` and :func:`annotate` (regex rules) build one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import linen as nn
+from flax import nnx
+
+from shardkit.errors import ShardkitError
+from shardkit.partition import RegexRule, linen_axes, nnx_axes, path_str, regex_axes
+
+Params = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model as a pure function pair plus the logical axes of its parameters.
+
+    Attributes:
+      init: ``key -> params``; run under ``jit`` with output shardings, so it must be pure.
+      apply: ``(params, inputs, key_or_None) -> outputs``; ``key`` drives dropout (None: off).
+      axes: tree of :class:`shardkit.partition.Axes` matching ``params``.
+      name: shown in tables.
+    """
+
+    init: Callable[[jax.Array], Params]
+    apply: Callable[[Params, Any, jax.Array | None], Any]
+    axes: Any
+    name: str = "model"
+
+    def abstract_params(self, seed: int = 0) -> Params:
+        """Shapes and dtypes of the parameters (``ShapeDtypeStruct`` tree); allocates nothing."""
+        return jax.eval_shape(self.init, jax.random.key(seed))
+
+
+NNX_EXTRA_STATE = """\
+Model {name} holds variables that are not nnx.Param: {paths}.
+shardkit trains the nnx.Param variables of an NNX model and passes randomness in at each call.
+Fix: do not store nnx.Rngs in the module (take `rngs` as an argument of __call__ and pass it to
+nnx.Dropout(...)(x, rngs=rngs)); non-parameter state such as BatchNorm statistics is not
+supported yet.
+"""
+
+
+def from_nnx(make: Callable[[nnx.Rngs], nnx.Module] | nnx.Module, *, name: str | None = None) -> Model:
+    """Wrap a Flax NNX model.
+
+    Pass a constructor ``rngs -> module`` so that parameters are created already sharded, inside
+    a jitted init (an existing module instance also works: its values are resharded from where
+    they are). The module's ``__call__(inputs, rngs=None)`` gets ``nnx.Rngs(dropout=key)`` when
+    the step has a key, if it accepts ``rngs``.
+
+    Logical names come from :func:`shardkit.logical` metadata on the parameters.
+
+    Example:
+      >>> import shardkit as sk
+      >>> model = sk.from_nnx(lambda rngs: sk.models.MLP(sk.models.MLPConfig(), rngs=rngs))
+    """
+    instance = make if isinstance(make, nnx.Module) else None
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: instance if instance is not None else make(nnx.Rngs(0)))
+    graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
+    label = name or type(abstract).__name__
+    extra = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0]
+    if extra:
+        raise ShardkitError(NNX_EXTRA_STATE.format(name=label, paths=[path_str(p) for p, _ in extra][:5]))
+    takes_rngs = "rngs" in inspect.signature(type(abstract).__call__).parameters
+
+    def init(key: jax.Array) -> Params:
+        if instance is not None:
+            return nnx.to_pure_dict(nnx.state(instance, nnx.Param))
+        with nnx.use_eager_sharding(False):
+            module = make(nnx.Rngs(key))
+        return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+    def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
+        module = nnx.merge(graphdef, params)
+        if takes_rngs:
+            return module(inputs, rngs=None if key is None else nnx.Rngs(dropout=key))
+        return module(inputs)
+
+    return Model(init, apply, _plain_dict(nnx_axes(abstract_params)), label)
+
+
+def _plain_dict(tree: Any) -> Any:
+    """An NNX ``State`` (a mapping) as nested plain dicts, leaves unchanged."""
+    if isinstance(tree, Mapping):
+        return {k: _plain_dict(v) for k, v in tree.items()}
+    return tree
+
+
+def from_linen(module: nn.Module, *example_inputs: Any, name: str | None = None) -> Model:
+    """Wrap a Flax Linen module; logical names come from ``nn.with_logical_partitioning`` boxes.
+
+    Args:
+      module: the Linen module.
+      example_inputs: inputs for ``module.init`` (shapes only matter; e.g. ``jnp.zeros((2, 16))``).
+      name: shown in tables.
+
+    Example:
+      >>> import flax.linen as nn, jax.numpy as jnp
+      >>> model = from_linen(nn.Dense(4), jnp.zeros((1, 8)))
+    """
+
+    def boxed_init(key: jax.Array) -> Any:
+        return module.init({"params": key, "dropout": key}, *example_inputs)["params"]
+
+    def init(key: jax.Array) -> Params:
+        return nn.meta.unbox(boxed_init(key))
+
+    def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
+        rngs = None if key is None else {"dropout": key}
+        return module.apply({"params": params}, inputs, rngs=rngs)
+
+    boxed = jax.eval_shape(boxed_init, jax.random.key(0))
+    return Model(init, apply, linen_axes(boxed), name or type(module).__name__)
+
+
+def annotate(model: Model, patterns: Sequence[RegexRule]) -> Model:
+    """Give a model's parameters logical names (or specs) from regex rules on their paths.
+
+    For models that carry no annotations: the rules replace whatever names the model had.
+
+    Example:
+      >>> import flax.linen as nn, jax.numpy as jnp
+      >>> m = annotate(from_linen(nn.Dense(8), jnp.zeros((1, 4))),
+      ...              [(r"kernel$", ("embed", "mlp")), (r"bias$", ("mlp",))])
+    """
+    axes = regex_axes(model.abstract_params(), patterns)
+    return dataclasses.replace(model, axes=axes)
+
+
+def from_functions(
+    init: Callable[[jax.Array], Params],
+    apply: Callable[[Params, Any, jax.Array | None], Any],
+    patterns: Sequence[RegexRule],
+    *,
+    name: str = "model",
+) -> Model:
+    """A model from plain JAX functions, its parameters named by regex rules."""
+    return annotate(Model(init, apply, None, name), patterns)

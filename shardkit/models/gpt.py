@@ -1,0 +1,223 @@
+"""A Llama-style decoder: RMSNorm, rotary embeddings, grouped-KV attention, SwiGLU MLP, dropout.
+
+Every parameter and the key activations carry logical axis names, so any layout shards it.
+Shapes: B batch, T sequence, D embed, H query heads, N kv heads, K head dim, F mlp, V vocab,
+L layers.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> model = GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0))
+  >>> model(jnp.zeros((2, 16), jnp.int32)).shape
+  (2, 16, 256)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardkit.errors import ShardkitError
+from shardkit.partition import constrain, logical
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    # vocab 256: byte-level tokens of the built-in corpus.
+    "tiny": dict(vocab=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, mlp_dim=128, max_seq=128),
+    "mini": dict(vocab=256, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, mlp_dim=384, max_seq=256),
+    # GPT-2 shapes (vocab padded 50257 -> 50304 so it divides, as nanoGPT does).
+    "gpt2-small": dict(vocab=50304, dim=768, n_layers=12, n_heads=12, n_kv_heads=12, mlp_dim=3072, max_seq=1024),
+    "gpt2-medium": dict(vocab=50304, dim=1024, n_layers=24, n_heads=16, n_kv_heads=16, mlp_dim=4096, max_seq=1024),
+    "llama-1b": dict(vocab=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, mlp_dim=5632, max_seq=2048),
+    "llama2-7b": dict(vocab=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_dim=11008, max_seq=4096),
+    "llama2-13b": dict(vocab=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, mlp_dim=13824, max_seq=4096),
+    "llama2-70b": dict(vocab=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, mlp_dim=28672, max_seq=4096),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Shape and behaviour of :class:`GPT`. ``GPTConfig.preset(name, **overrides)`` for presets."""
+
+    vocab: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    mlp_dim: int = 128
+    max_seq: int = 128
+    dropout: float = 0.0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    scan_layers: bool = True  # one compiled layer body, scanned L times
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ShardkitError(f"GPTConfig: dim={self.dim} must divide by n_heads={self.n_heads}.")
+        if self.n_heads % self.n_kv_heads:
+            raise ShardkitError(
+                f"GPTConfig: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
+                "(each kv head serves a whole group of query heads)."
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ShardkitError(f"GPTConfig: dropout={self.dropout} must be in [0, 1).")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> GPTConfig:
+        """A named size: ``tiny``, ``mini``, ``gpt2-small``, ``gpt2-medium``, ``llama-1b``,
+        ``llama2-7b``, ``llama2-13b``, ``llama2-70b``."""
+        if name not in _PRESETS:
+            raise ShardkitError(f"Unknown GPT preset {name!r}. Choose one of: {', '.join(_PRESETS)}.")
+        return cls(**{**_PRESETS[name], **overrides})
+
+    @staticmethod
+    def preset_names() -> tuple[str, ...]:
+        return tuple(_PRESETS)
+
+    def num_params(self) -> int:
+        """Parameter count (embedding and untied output head included)."""
+        d, f, k = self.dim, self.mlp_dim, self.head_dim
+        attn = d * self.n_heads * k * 2 + d * self.n_kv_heads * k * 2
+        per_layer = attn + 3 * d * f + 2 * d
+        return self.n_layers * per_layer + 2 * self.vocab * d + d
+
+
+def _param(rngs: nnx.Rngs, init: Any, shape: tuple[int, ...], names: tuple[str, ...], dtype: str) -> nnx.Param:
+    return nnx.Param(logical(init, names)(rngs.params(), shape, jnp.dtype(dtype)))
+
+
+def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    # Bits come from the key alone (threefry is partitionable), so they do not depend on the mesh.
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype: str, rngs: nnx.Rngs):
+        self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",), param_dtype)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)  # (B, T, D)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding of ``x`` (B, T, heads, K) by position along T."""
+    t, k = x.shape[1], x.shape[-1]
+    freqs = theta ** (-jnp.arange(0, k, 2, dtype=jnp.float32) / k)  # (K/2,)
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None, :]  # (T, K/2)
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # (B, T, heads, K/2) each
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        init, d, k, p = nnx.initializers.lecun_normal(), cfg.dim, cfg.head_dim, cfg.param_dtype
+        self.wq = _param(rngs, init, (d, cfg.n_heads, k), ("embed", "heads", "kv"), p)
+        self.wk = _param(rngs, init, (d, cfg.n_kv_heads, k), ("embed", "kv_heads", "kv"), p)
+        self.wv = _param(rngs, init, (d, cfg.n_kv_heads, k), ("embed", "kv_heads", "kv"), p)
+        self.wo = _param(rngs, nnx.initializers.lecun_normal(in_axis=(0, 1), out_axis=2),
+                         (cfg.n_heads, k, d), ("heads", "kv", "embed"), p)
+        self.cfg = cfg
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))  # (B, T, H, K)
+        k = jnp.einsum("btd,dnk->btnk", x, self.wk[...].astype(dt))  # (B, T, N, K)
+        v = jnp.einsum("btd,dnk->btnk", x, self.wv[...].astype(dt))  # (B, T, N, K)
+        q = constrain(rotary(q, self.cfg.rope_theta), ("batch", "seq", "heads", "kv"))
+        k = constrain(rotary(k, self.cfg.rope_theta), ("batch", "seq", "kv_heads", "kv"))
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, H, K)
+        out = constrain(out, ("batch", "seq", "heads", "kv"))
+        return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt))  # (B, T, D)
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        init, d, f, p = nnx.initializers.lecun_normal(), cfg.dim, cfg.mlp_dim, cfg.param_dtype
+        self.w_gate = _param(rngs, init, (d, f), ("embed", "mlp"), p)
+        self.w_up = _param(rngs, init, (d, f), ("embed", "mlp"), p)
+        self.w_down = _param(rngs, init, (f, d), ("mlp", "embed"), p)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))  # (B, T, F)
+        h = constrain(h, ("batch", "seq", "mlp"))
+        return h @ self.w_down[...].astype(dt)  # (B, T, D)
+
+
+class Block(nnx.Module):
+    """One decoder layer: pre-norm attention and pre-norm SwiGLU, each with a residual."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.param_dtype, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.param_dtype, rngs)
+        self.mlp = SwiGLU(cfg, rngs)
+        self.dropout = cfg.dropout
+
+    def __call__(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
+        k1, k2 = (None, None) if key is None else jax.random.split(key)
+        x = x + _dropout(self.attn(self.attn_norm(x)), self.dropout, k1)  # (B, T, D)
+        x = x + _dropout(self.mlp(self.mlp_norm(x)), self.dropout, k2)  # (B, T, D)
+        return constrain(x, ("batch", "seq", "embed"))
+
+
+class GPT(nnx.Module):
+    """Decoder-only language model. ``__call__(tokens (B, T) int, rngs=None) -> logits (B, T, V)``.
+
+    ``rngs`` (an ``nnx.Rngs`` with a ``dropout`` stream) turns dropout on; None is evaluation.
+    """
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        p = cfg.param_dtype
+        self.embed = _param(rngs, nnx.initializers.normal(0.02), (cfg.vocab, cfg.dim), ("vocab", "embed"), p)
+        if cfg.scan_layers:
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_blocks(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs)
+
+            self.blocks = make_blocks(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, p, rngs)
+        self.lm_head = _param(rngs, nnx.initializers.lecun_normal(), (cfg.dim, cfg.vocab), ("embed", "vocab"), p)
+
+    def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        keys = None if rngs is None or cfg.dropout == 0.0 else jax.random.split(rngs.dropout(), cfg.n_layers + 1)
+        # Gather the table's embed dimension first (what FSDP does for every weight), so the
+        # lookup is a vocab-parallel gather rather than a reshard of the (B, T, D) activations.
+        table = constrain(self.embed[...], ("vocab", None))  # (V, D)
+        x = jnp.take(table, tokens, axis=0).astype(dt)  # (B, T, D)
+        x = constrain(_dropout(x, cfg.dropout, None if keys is None else keys[-1]), ("batch", "seq", "embed"))
+        if cfg.scan_layers:
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0 if keys is not None else None), out_axes=nnx.Carry,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def run(x: jax.Array, block: Block, key: jax.Array | None) -> jax.Array:
+                return block(x, key)
+
+            x = run(x, self.blocks, None if keys is None else keys[:-1])  # (B, T, D)
+        else:
+            for i, block in enumerate(self.blocks):
+                x = block(x, None if keys is None else keys[i])  # (B, T, D)
+        x = self.final_norm(x)
+        logits = x @ self.lm_head[...].astype(dt)  # (B, T, V)
+        return constrain(logits, ("batch", "seq", "vocab"))

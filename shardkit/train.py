@@ -1,0 +1,319 @@
+"""Sharded training: the train state, its sharded init, and one compiled train step.
+
+Data flow (see DESIGN.md): model axes + rules + mesh -> PartitionSpec trees for the parameters,
+the optimizer state (moments follow their parameter, counters replicated) and the batch ->
+``jit(init, out_shardings)`` creates everything already sharded -> ``jit(step, in/out
+shardings, donate)`` is the whole step, in which XLA emits the collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardkit.errors import ShardkitError
+from shardkit.mesh import Layout, as_layout
+from shardkit.model import Model, Params
+from shardkit.partition import Axes, named, path_str, specs_for, use_sharding
+from shardkit.rules import Fallback, Rules, default_rules, resolve
+
+Batch = Mapping[str, jax.Array]
+# loss(forward, batch) -> (scalar loss, number of tokens/examples it averaged over)
+LossFn = Callable[[Callable[[Any], Any], Batch], tuple[jax.Array, jax.Array]]
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a training run carries from step to step (a pytree).
+
+    Attributes:
+      step: int32 scalar, the number of steps applied.
+      params: the model parameters (nested dicts of arrays).
+      opt_state: the optax state.
+      rng: uint32 key data; step ``s`` draws dropout bits from ``fold_in(rng, s)``, so the bits
+        depend on the seed and the step only, never on the layout or on restarts.
+    """
+
+    step: jax.Array
+    params: Params
+    opt_state: optax.OptState
+    rng: jax.Array
+
+
+def next_token_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``.
+
+    Args:
+      forward: ``(B, T) int tokens -> (B, T, V) logits``.
+      batch: ``{"tokens": (B, T + 1) int32}``.
+
+    Returns:
+      ``(loss, number of predicted tokens)``.
+    """
+    tokens = batch["tokens"]
+    logits = forward(tokens[:, :-1])  # (B, T, V)
+    targets = tokens[:, 1:]  # (B, T)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return losses.mean(), jnp.asarray(targets.size, jnp.int32)
+
+
+def mse_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Mean squared error of ``forward(batch["x"])`` against ``batch["y"]``."""
+    pred = forward(batch["x"])
+    return jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2), jnp.asarray(batch["x"].shape[0], jnp.int32)
+
+
+NOT_AN_OPTIMIZER = """\
+optimizer must be an optax.GradientTransformation, got {got!r}.
+Fix: pass one, e.g. optax.adamw(3e-4) or optax.sgd(0.1, momentum=0.9).
+"""
+
+
+class Trainer:
+    """Compiles sharded init and train step for a model, an optimizer and a layout.
+
+    Args:
+      model: a :class:`shardkit.Model` (``sk.from_nnx``, ``sk.from_linen``, ``sk.annotate``).
+      optimizer: any optax ``GradientTransformation``.
+      layout: mesh axis sizes, e.g. ``"data=2,fsdp=2,tensor=2"`` (``-1`` fills the rest).
+      rules: logical-to-mesh rules; default :func:`shardkit.default_rules`.
+      loss: ``(forward, batch) -> (loss, count)``; default next-token cross-entropy.
+      batch_axes: logical names per batch entry, e.g. ``{"tokens": ("batch", None)}``; by default
+        the first dimension of every entry is ``batch`` and the rest unsharded.
+      allow_replicate: replicate parameter dimensions that do not divide their mesh axes instead
+        of raising; :attr:`fallbacks` lists them.
+      devices: the devices to use (default: all of ``jax.devices()``).
+
+    Example:
+      >>> import optax, shardkit as sk
+      >>> cfg = sk.models.GPTConfig.preset("tiny")
+      >>> trainer = sk.Trainer(sk.from_nnx(lambda rngs: sk.models.GPT(cfg, rngs=rngs)),
+      ...                      optax.adamw(1e-3), layout="data=2,fsdp=2,tensor=2")
+      >>> state = trainer.init(seed=0)
+      >>> batch = trainer.shard_batch({"tokens": jnp.zeros((8, 17), jnp.int32)})
+      >>> state, metrics = trainer.step(state, batch)
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        optimizer: optax.GradientTransformation,
+        layout: Layout | str | Mapping[str, int] = "data=-1",
+        *,
+        rules: Rules | None = None,
+        loss: LossFn = next_token_loss,
+        batch_axes: Mapping[str, Sequence[str | None]] | None = None,
+        allow_replicate: bool = False,
+        devices: Sequence[jax.Device] | None = None,
+    ) -> None:
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise ShardkitError(NOT_AN_OPTIMIZER.format(got=optimizer))
+        if not isinstance(model, Model):
+            raise ShardkitError(
+                f"model must be a shardkit Model, got {type(model).__name__}. Wrap a Flax model with "
+                "sk.from_nnx(lambda rngs: MyModel(..., rngs=rngs)) or sk.from_linen(module, example_input)."
+            )
+        devices = list(jax.devices() if devices is None else devices)
+        self.model = model
+        self.optimizer = optimizer
+        self.loss = loss
+        self.layout = as_layout(layout).resolve(len(devices))
+        self.mesh: Mesh = self.layout.make_mesh(devices)
+        self.rules = default_rules(self.layout) if rules is None else rules
+        self.batch_axes = dict(batch_axes or {})
+        self.fallbacks: list[Fallback] = []
+
+        abstract_params = model.abstract_params()
+        self.param_specs = specs_for(
+            model.axes, abstract_params, self.rules, self.mesh, allow_replicate=allow_replicate, fallbacks=self.fallbacks
+        )
+        abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+        opt_specs = _follow_params(abstract_opt, abstract_params, self.param_specs)
+        replicated = PartitionSpec()
+        self.state_specs = TrainState(step=replicated, params=self.param_specs, opt_state=opt_specs, rng=replicated)
+        self.state_shardings: TrainState = named(self.state_specs, self.mesh)
+        self._compiled: dict[Any, jax.stages.Compiled] = {}
+        self._init = jax.jit(self._init_fn, static_argnums=0, out_shardings=self.state_shardings)
+
+    # -- state --------------------------------------------------------------------------------
+    def _init_fn(self, seed: int) -> TrainState:
+        key = jax.random.key(seed)
+        init_key, rng = jax.random.split(key)
+        with use_sharding(self.mesh, self.rules):
+            params = self.model.init(init_key)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self.optimizer.init(params),
+            rng=jax.random.key_data(rng),
+        )
+
+    def init(self, seed: int = 0) -> TrainState:
+        """Create the train state, every array born with its sharding (no full copy anywhere)."""
+        return self._init(seed)
+
+    def abstract_state(self, seed: int = 0) -> TrainState:
+        """The train state as ``ShapeDtypeStruct`` with shardings: for AOT compiles, allocates nothing."""
+        shapes = jax.eval_shape(self._init_fn, seed)
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
+        )
+
+    # -- batches ------------------------------------------------------------------------------
+    def batch_specs(self, batch: Mapping[str, Any]) -> dict[str, PartitionSpec]:
+        """PartitionSpec of each batch entry, from ``batch_axes`` (default: dim 0 is ``batch``)."""
+        mesh_shape = dict(self.mesh.shape)
+        specs = {}
+        for name, value in batch.items():
+            shape = tuple(value.shape)
+            names = self.batch_axes.get(name, ("batch",) + (None,) * (len(shape) - 1) if shape else None)
+            specs[name] = resolve(names, shape, self.rules, mesh_shape, what=f"batch[{name!r}]")
+        return specs
+
+    def shard_batch(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """Host-local arrays of one process -> global arrays sharded over the mesh.
+
+        In a single process the local batch is the global batch. With several processes each
+        passes its own slice (``jax.make_array_from_process_local_data``).
+        """
+        specs = self.batch_specs(_global_shapes(batch))
+        return {
+            name: jax.make_array_from_process_local_data(NamedSharding(self.mesh, specs[name]), value)
+            for name, value in batch.items()
+        }
+
+    # -- the step -----------------------------------------------------------------------------
+    def _step_fn(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+        def loss_of(params: Params) -> tuple[jax.Array, jax.Array]:
+            return self.loss(lambda inputs: self.model.apply(params, inputs, key), batch)
+
+        (loss, count), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": count}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:
+        """Compile (once per batch shape) the train step for batches shaped like ``batch``.
+
+        ``batch`` may hold arrays or ``jax.ShapeDtypeStruct``: nothing is allocated.
+        """
+        key = tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch.items()))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            batch_shardings = named(self.batch_specs(batch), self.mesh)
+            abstract_batch = {
+                k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k]) for k, v in batch.items()
+            }
+            metrics_sharding = NamedSharding(self.mesh, PartitionSpec())
+            jitted = jax.jit(
+                self._step_fn,
+                in_shardings=(self.state_shardings, batch_shardings),
+                out_shardings=(self.state_shardings, metrics_sharding),
+                donate_argnums=0,
+            )
+            with use_sharding(self.mesh, self.rules):
+                compiled = jitted.lower(self.abstract_state(), abstract_batch).compile()
+            self._compiled[key] = compiled
+        return compiled
+
+    def step(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One optimizer step. ``state`` is donated: use the returned state from here on.
+
+        Args:
+          state: from :meth:`init` or a previous step.
+          batch: global arrays from :meth:`shard_batch` (e.g. ``{"tokens": (B, T + 1) int32}``).
+
+        Returns:
+          ``(new_state, {"loss", "grad_norm", "tokens"})``.
+        """
+        return self.compile(batch)(state, batch)
+
+    # -- explaining ---------------------------------------------------------------------------
+    def sharding_table(self) -> list[dict[str, Any]]:
+        """One row per parameter: path, shape, logical axes, spec and per-device shard shape."""
+        rows = []
+        abstract = self.model.abstract_params()
+        flat_axes = dict(_flatten(self.model.axes, is_leaf=lambda x: isinstance(x, Axes)))
+        flat_specs = dict(_flatten(self.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
+        mesh_shape = dict(self.mesh.shape)
+        for path, leaf in _flatten(abstract):
+            spec = flat_specs[path]
+            shard = tuple(
+                dim // math.prod(mesh_shape[a] for a in _axes_of(entry))
+                for dim, entry in zip(leaf.shape, tuple(spec) + (None,) * (len(leaf.shape) - len(spec)))
+            )
+            rows.append(
+                {
+                    "path": path,
+                    "shape": tuple(leaf.shape),
+                    "logical": str(flat_axes[path]),
+                    "spec": _spec_str(spec, len(leaf.shape)),
+                    "shard": shard,
+                    "bytes_per_device": math.prod(shard) * jnp.dtype(leaf.dtype).itemsize,
+                }
+            )
+        return rows
+
+    def format_sharding_table(self) -> str:
+        """The parameter table as aligned text (scaling-book notation in the spec column)."""
+        rows = self.sharding_table()
+        header = ("parameter", "shape", "logical axes", "spec", "per device")
+        lines = [(r["path"], "x".join(map(str, r["shape"])), r["logical"], r["spec"], "x".join(map(str, r["shard"])))
+                 for r in rows]
+        widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+        out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+        out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
+        return "\n".join(out)
+
+
+def _axes_of(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec_str(spec: PartitionSpec, ndim: int) -> str:
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
+    return "[" + ", ".join("+".join(_axes_of(e)) or "-" for e in entries) + "]"
+
+
+def _flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:
+    return [(path_str(p), v) for p, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
+
+
+def _global_shapes(batch: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+    """Global shape of a host-local batch: the batch dimension times the process count."""
+    n = jax.process_count()
+    return {
+        k: jax.ShapeDtypeStruct((v.shape[0] * n, *v.shape[1:]) if v.ndim else (), v.dtype) for k, v in batch.items()
+    }
+
+
+def _follow_params(opt_state: Any, params: Any, param_specs: Any) -> Any:
+    """Specs for an optax state: subtrees shaped like the params (moments) follow them; the rest
+    (step counters, scalars) is replicated."""
+    params_def = jax.tree.structure(params)
+
+    def is_param_like(x: Any) -> bool:
+        try:
+            return jax.tree.structure(x) == params_def and jax.tree.all(
+                jax.tree.map(lambda a, b: getattr(a, "shape", None) == b.shape, x, params)
+            )
+        except (ValueError, TypeError):
+            return False
+
+    return jax.tree.map(
+        lambda sub: param_specs if is_param_like(sub) else jax.tree.map(lambda _: PartitionSpec(), sub),
+        opt_state,
+        is_leaf=is_param_like,
+    )
