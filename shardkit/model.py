@@ -22,7 +22,7 @@ from shardkit.partition import RegexRule, linen_axes, nnx_axes, path_str, regex_
 Params = Any
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a static jit argument
 class Model:
     """A model as a pure function pair plus the logical axes of its parameters.
 

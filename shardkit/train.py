@@ -199,7 +199,7 @@ class Trainer:
         (loss, count), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": count}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:

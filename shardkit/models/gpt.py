@@ -125,39 +125,50 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
+    """Grouped-KV causal attention with one fused QKV projection.
+
+    ``wqkv`` is (D, N, G + 2, K): for each kv head, its G query heads, its key and its value.
+    One weight means one matmul, so under tensor parallelism the backward pass all-reduces
+    the input gradient once (Megatron's count), not once per projection; sharding the kv-head
+    dimension keeps whole groups on one device.
+    """
+
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
-        init, d, k, p = nnx.initializers.lecun_normal(), cfg.dim, cfg.head_dim, cfg.param_dtype
-        self.wq = _param(rngs, init, (d, cfg.n_heads, k), ("embed", "heads", "kv"), p)
-        self.wk = _param(rngs, init, (d, cfg.n_kv_heads, k), ("embed", "kv_heads", "kv"), p)
-        self.wv = _param(rngs, init, (d, cfg.n_kv_heads, k), ("embed", "kv_heads", "kv"), p)
+        d, n, k, p = cfg.dim, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
+        self.groups = cfg.n_heads // cfg.n_kv_heads
+        qkv_init = nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3))
+        self.wqkv = _param(rngs, qkv_init, (d, n, self.groups + 2, k), ("embed", "kv_heads", None, "kv"), p)
         self.wo = _param(rngs, nnx.initializers.lecun_normal(in_axis=(0, 1), out_axis=2),
                          (cfg.n_heads, k, d), ("heads", "kv", "embed"), p)
         self.cfg = cfg
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dt = x.dtype
-        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))  # (B, T, H, K)
-        k = jnp.einsum("btd,dnk->btnk", x, self.wk[...].astype(dt))  # (B, T, N, K)
-        v = jnp.einsum("btd,dnk->btnk", x, self.wv[...].astype(dt))  # (B, T, N, K)
+        b, t, _ = x.shape
+        g = self.groups
+        qkv = jnp.einsum("btd,dngk->btngk", x, self.wqkv[...].astype(x.dtype))  # (B, T, N, G+2, K)
+        q = qkv[:, :, :, :g, :].reshape(b, t, -1, qkv.shape[-1])  # (B, T, H, K), head h -> kv head h // G
+        k, v = qkv[:, :, :, g, :], qkv[:, :, :, g + 1, :]  # (B, T, N, K) each
         q = constrain(rotary(q, self.cfg.rope_theta), ("batch", "seq", "heads", "kv"))
         k = constrain(rotary(k, self.cfg.rope_theta), ("batch", "seq", "kv_heads", "kv"))
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, H, K)
         out = constrain(out, ("batch", "seq", "heads", "kv"))
-        return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt))  # (B, T, D)
+        return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(x.dtype))  # (B, T, D)
 
 
 class SwiGLU(nnx.Module):
+    """SwiGLU MLP; gate and up projections fused in one (D, 2, F) weight (one backward all-reduce)."""
+
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
-        init, d, f, p = nnx.initializers.lecun_normal(), cfg.dim, cfg.mlp_dim, cfg.param_dtype
-        self.w_gate = _param(rngs, init, (d, f), ("embed", "mlp"), p)
-        self.w_up = _param(rngs, init, (d, f), ("embed", "mlp"), p)
-        self.w_down = _param(rngs, init, (f, d), ("mlp", "embed"), p)
+        d, f, p = cfg.dim, cfg.mlp_dim, cfg.param_dtype
+        gate_up_init = nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
+        self.w_gate_up = _param(rngs, gate_up_init, (d, 2, f), ("embed", None, "mlp"), p)
+        self.w_down = _param(rngs, nnx.initializers.lecun_normal(), (f, d), ("mlp", "embed"), p)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dt = x.dtype
-        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))  # (B, T, F)
+        gate_up = jnp.einsum("btd,dcf->btcf", x, self.w_gate_up[...].astype(x.dtype))  # (B, T, 2, F)
+        h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # (B, T, F)
         h = constrain(h, ("batch", "seq", "mlp"))
-        return h @ self.w_down[...].astype(dt)  # (B, T, D)
+        return h @ self.w_down[...].astype(x.dtype)  # (B, T, D)
 
 
 class Block(nnx.Module):

@@ -1,0 +1,191 @@
+"""Read the collectives out of compiled HLO text, and tie each to mesh axes and a user op.
+
+The compiled module prints each collective as one instruction, e.g.::
+
+  %all-reduce.48 = f32[4,32,64]{2,1,0} all-reduce(%x), replica_groups=[2,4]<=[8], ...,
+      metadata={op_name="jit(step)/.../bthk,hkd->btd/dot_general" ...}
+
+Replica groups come in three spellings (explicit ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]`` with an
+optional transpose ``T(1,0)``, and Shardy's ``mesh['axis_0'=4,...] {'axis_0'}``); all are
+expanded to lists of device ids, and the mesh axes a collective runs over are the axes along
+which the devices of one group differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+
+import numpy as np
+from jax.sharding import Mesh
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
+    r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?P<start>-start)?\("
+)
+_ARRAY = re.compile(r"\b(?P<dtype>pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8\w*|bf16|f16|f32|f64|c64|c128)\[(?P<dims>[\d,]*)\]")
+_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
+          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_OP_NAME = re.compile(r'op_name="(?P<op>[^"]*)"')
+_EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(?P<groups>(?:\{[\d,\s]*\},?\s*)*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*\{(?P<over>[^}]*)\}"
+)
+_PAIRS = re.compile(r"source_target_pairs=\{(?P<pairs>[^=]*?)\}(?:,|$)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled module.
+
+    Attributes:
+      kind: one of ``COLLECTIVE_KINDS``.
+      name: the HLO instruction name.
+      payload_bytes: bytes of the result on one device.
+      groups: device ids of each replica group (empty when the HLO gave none).
+      op_name: the JAX op it comes from (HLO metadata), e.g. ``.../bthk,hkd->btd/dot_general``.
+      line: the instruction text.
+      executions: how many times one step runs it (trip counts of the while loops around it,
+        e.g. the layer scan).
+    """
+
+    kind: str
+    name: str
+    payload_bytes: int
+    groups: tuple[tuple[int, ...], ...]
+    op_name: str
+    line: str
+    executions: int = 1
+
+    @property
+    def group_size(self) -> int:
+        return len(self.groups[0]) if self.groups else 0
+
+
+def _shape_bytes(shape: str, kind: str, is_start: bool) -> int:
+    arrays = [(m["dtype"], m["dims"]) for m in _ARRAY.finditer(shape)]
+    if is_start and kind in ("all-gather", "collective-permute") and len(arrays) > 1:
+        arrays = arrays[len(arrays) // 2 :]  # async start: (operands..., results...)
+    return int(sum(_BYTES.get(d.rstrip("0123456789fnuz") if d.startswith("f8") else d, 1)
+                   * math.prod(int(x) for x in dims.split(",") if x) for d, dims in arrays))
+
+
+def _iota(shape: Sequence[int], dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if perm is not None:
+        ids = ids.transpose(perm)
+    return ids.reshape(shape)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _groups(line: str, kind: str) -> tuple[tuple[int, ...], ...]:
+    if m := _MESH_GROUPS.search(line):
+        sizes = [int(p.split("=")[1]) for p in m["axes"].split(",") if "=" in p]
+        names = [p.split("=")[0].strip().strip("'") for p in m["axes"].split(",") if "=" in p]
+        if m["ids"]:
+            im = re.match(r"\[(?P<shape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?", m["ids"].strip())
+            ids = _iota([math.prod(sizes)], _ints(im["shape"]), _ints(im["perm"]) if im["perm"] else None)
+        else:
+            ids = np.arange(math.prod(sizes))
+        ids = ids.reshape(sizes)
+        over = [names.index(a.strip().strip("'")) for a in m["over"].split(",") if a.strip()]
+        rest = [i for i in range(len(sizes)) if i not in over]
+        grouped = ids.transpose(rest + over).reshape(-1, math.prod(sizes[i] for i in over) if over else 1)
+        return tuple(tuple(int(x) for x in g) for g in grouped)
+    if m := _IOTA_GROUPS.search(line):
+        return tuple(tuple(int(x) for x in g) for g in _iota(_ints(m["shape"]), _ints(m["dims"]),
+                                                             _ints(m["perm"]) if m["perm"] else None))
+    if m := _EXPLICIT_GROUPS.search(line):
+        return tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,\s]*)\}", m["groups"]))
+    if kind == "collective-permute" and (m := _PAIRS.search(line)):
+        return tuple(tuple(_ints(p)) for p in re.findall(r"\{([\d,\s]*)\}", m["pairs"]))
+    return ()
+
+
+_COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_WHILE = re.compile(r"\swhile\(.*?body=%(?P<body>[\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+_CALLS = re.compile(r"\b(?:calls|to_apply|true_computation|false_computation)=%(?P<callee>[\w.\-]+)")
+
+
+def _executions(lines: Sequence[str]) -> dict[str, int]:
+    """How many times each computation runs per execution of the entry computation."""
+    callers: dict[str, list[tuple[str, int]]] = {}
+    entry, current = "", ""
+    for line in lines:
+        if m := _COMPUTATION.match(line):
+            current = m["name"]
+            if m["entry"]:
+                entry = current
+            continue
+        if m := _WHILE.search(line):
+            trip = _TRIP.search(line)
+            callers.setdefault(m["body"], []).append((current, int(trip["n"]) if trip else 1))
+        for m in _CALLS.finditer(line):
+            callers.setdefault(m["callee"], []).append((current, 1))
+    memo: dict[str, int] = {entry: 1}
+
+    def runs(name: str, seen: frozenset[str] = frozenset()) -> int:
+        if name not in memo:
+            memo[name] = sum(runs(c, seen | {name}) * n for c, n in callers.get(name, []) if c not in seen) or 1
+        return memo[name]
+
+    return {name: runs(name) for name in {*callers, entry}}
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective instruction in a compiled module's text (``compiled.as_text()``)."""
+    lines = hlo_text.splitlines()
+    runs = _executions(lines)
+    out, current = [], ""
+    for line in lines:
+        if c := _COMPUTATION.match(line):
+            current = c["name"]
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        kind = m["kind"]
+        op = _OP_NAME.search(line)
+        out.append(
+            Collective(
+                kind=kind,
+                name=m["name"],
+                payload_bytes=_shape_bytes(m["shape"], kind, bool(m["start"])),
+                groups=_groups(line, kind),
+                op_name=op["op"] if op else "",
+                line=line.strip(),
+                executions=runs.get(current, 1),
+            )
+        )
+    return out
+
+
+def mesh_axes_of(groups: Sequence[Sequence[int]], mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes along which the devices of a replica group differ (in mesh order).
+
+    Device ids in HLO replica groups index ``mesh.devices`` in flat order, as the compiled
+    module's device assignment does for a jit over that mesh.
+    """
+    if not groups:
+        return ()
+    coords = np.stack(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape), axis=1)
+    varying: set[int] = set()
+    for group in groups:
+        g = coords[list(group)]
+        varying.update(int(i) for i in np.nonzero((g != g[0]).any(axis=0))[0])
+    return tuple(mesh.axis_names[i] for i in sorted(varying))
+
+
+def count(hlo_text: str) -> dict[str, int]:
+    """Number of collectives of each kind run by one step (loop trip counts included)."""
+    found = collectives(hlo_text)
+    return {k: sum(c.executions for c in found if c.kind == k) for k in COLLECTIVE_KINDS}

@@ -1,0 +1,172 @@
+"""The main job: train the reference GPT on text, as ``shardkit train`` runs it.
+
+``train(TrainConfig(...))`` is the same loop from Python (scripts, notebooks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import jax
+import numpy as np
+import optax
+
+from shardkit.data import TextDataset, load_text
+from shardkit.errors import ShardkitError
+from shardkit.generate import generate
+from shardkit.model import from_nnx
+from shardkit.models.gpt import GPT, GPTConfig
+from shardkit.train import Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Every knob of the main job (the CLI flags of ``shardkit train``)."""
+
+    model: str = "mini"
+    layout: str = "data=2,fsdp=2,tensor=2"
+    steps: int = 500
+    batch: int = 16
+    seq: int = 128
+    lr: float = 3e-3
+    warmup: int = 20
+    weight_decay: float = 0.1
+    optimizer: str = "adamw"
+    dropout: float = 0.0
+    seed: int = 0
+    data: str | None = None
+    json_log: str | None = None
+    sample_tokens: int = 200
+    prompt: str = "def "
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch", "seq"):
+            if getattr(self, name) < 1:
+                raise ShardkitError(f"--{name} must be at least 1, got {getattr(self, name)}.")
+        if self.lr <= 0:
+            raise ShardkitError(f"--lr must be positive, got {self.lr}.")
+        if self.optimizer not in OPTIMIZERS:
+            raise ShardkitError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
+
+
+def _schedule(cfg: TrainConfig) -> optax.Schedule:
+    warmup = min(cfg.warmup, max(cfg.steps - 1, 1))
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), cfg.lr * 0.1)
+
+
+OPTIMIZERS: dict[str, Callable[[TrainConfig], optax.GradientTransformation]] = {
+    "adamw": lambda c: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(_schedule(c), b2=0.95, weight_decay=c.weight_decay)
+    ),
+    "sgd": lambda c: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(_schedule(c), momentum=0.9)),
+}
+
+
+class Progress:
+    """A one-line progress bar on a terminal, a line every tenth of the run elsewhere."""
+
+    def __init__(self, total: int, out: TextIO = sys.stderr) -> None:
+        self.total, self.out = total, out
+        self.tty = out.isatty()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        width = 30
+        done = int(width * step / self.total)
+        line = f"step {step:>5}/{self.total} [{'#' * done}{'.' * (width - done)}] loss {loss:7.4f}  {tokens_per_s:,.0f} tok/s"
+        if self.tty:
+            self.out.write("\r" + line + ("\n" if step == self.total else ""))
+            self.out.flush()
+        elif step == 1 or step == self.total or step % max(self.total // 10, 1) == 0:
+            self.out.write(line + "\n")
+            self.out.flush()
+
+
+def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) -> dict[str, Any]:
+    """Train the reference GPT on the built-in corpus (or ``cfg.data``) and sample from it.
+
+    Args:
+      cfg: the run's configuration.
+      out: where the layout, the sharding table and the summary are printed.
+      progress: show the progress bar on stderr.
+
+    Returns:
+      ``{"losses", "first_loss", "last_loss", "tokens_per_s", "sample", "layout", "devices"}``.
+    """
+    if cfg.model not in GPTConfig.preset_names():
+        raise ShardkitError(f"--model {cfg.model!r} is not a preset; choose one of {', '.join(GPTConfig.preset_names())}.")
+    text = load_text(cfg.data) if cfg.data else None
+    dataset = TextDataset.from_bytes(text, cfg.seed) if text is not None else TextDataset.builtin(cfg.seed)
+    gpt_cfg = GPTConfig.preset(cfg.model, dropout=cfg.dropout)
+    if gpt_cfg.vocab < TextDataset.VOCAB:
+        raise ShardkitError(f"--model {cfg.model} has vocab {gpt_cfg.vocab} < 256 byte tokens.")
+    if cfg.seq > gpt_cfg.max_seq:
+        raise ShardkitError(f"--seq {cfg.seq} exceeds the {cfg.model} model's max_seq={gpt_cfg.max_seq}.")
+    model = from_nnx(lambda rngs: GPT(gpt_cfg, rngs=rngs), name=f"GPT-{cfg.model}")
+    trainer = Trainer(model, OPTIMIZERS[cfg.optimizer](cfg), cfg.layout)
+    devices = trainer.mesh.devices.size
+    print(
+        f"shardkit: {devices} {jax.devices()[0].platform} device(s), layout {trainer.layout.spec()}, "
+        f"model GPT-{cfg.model} ({gpt_cfg.num_params() / 1e6:.2f}M parameters), "
+        f"batch {cfg.batch} x seq {cfg.seq}, {len(dataset.tokens):,} tokens of text",
+        file=out,
+    )
+    print(trainer.format_sharding_table(), file=out)
+
+    state = trainer.init(cfg.seed)
+    log = pathlib.Path(cfg.json_log).open("w") if cfg.json_log and jax.process_index() == 0 else None
+    bar = Progress(cfg.steps) if progress and jax.process_index() == 0 else None
+    losses: list[float] = []
+    step_tokens = cfg.batch * cfg.seq
+    timed_seconds, timed_steps = 0.0, 0
+    try:
+        for step in range(cfg.steps):
+            host_batch = dataset.batch(step, cfg.batch, cfg.seq, jax.process_index(), jax.process_count())
+            batch = trainer.shard_batch(host_batch)
+            start = time.perf_counter()
+            state, metrics = trainer.step(state, batch)
+            loss = float(metrics["loss"])  # waits for the step
+            seconds = time.perf_counter() - start
+            if step > 0:  # step 0 includes the compile
+                timed_seconds, timed_steps = timed_seconds + seconds, timed_steps + 1
+            losses.append(loss)
+            tokens_per_s = step_tokens / seconds
+            if log is not None:
+                record = {"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_s,
+                          "grad_norm": float(metrics["grad_norm"]), "seconds": seconds}
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            if bar is not None:
+                bar.update(step + 1, loss, tokens_per_s)
+    finally:
+        if log is not None:
+            log.close()
+    mean_tps = step_tokens * timed_steps / timed_seconds if timed_steps else float("nan")
+    head, tail = losses[: min(10, len(losses))], losses[-min(10, len(losses)) :]
+    print(
+        f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} (mean of first/last 10 steps: "
+        f"{np.mean(head):.4f} -> {np.mean(tail):.4f}); {mean_tps:,.0f} tokens/s after compile",
+        file=out,
+    )
+    sample = ""
+    if cfg.sample_tokens > 0:
+        prompt = dataset.encode(cfg.prompt) if cfg.prompt else dataset.tokens[:1].astype(np.int32)
+        tokens = generate(model, state.params, prompt, cfg.sample_tokens, cfg.seq, seed=cfg.seed)
+        sample = dataset.decode(tokens)
+        print("sample:\n" + sample, file=out)
+    return {
+        "losses": losses,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "tokens_per_s": mean_tps,
+        "sample": sample,
+        "layout": trainer.layout.spec(),
+        "devices": devices,
+        "state": state,
+        "trainer": trainer,
+    }

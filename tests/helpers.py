@@ -1,0 +1,67 @@
+"""Shared pieces of the tests: an independent single-device reference trainer."""
+
+from __future__ import annotations
+
+import sys
+import subprocess
+from collections.abc import Callable
+
+import jax
+import numpy as np
+import optax
+
+import shardkit as sk
+
+
+def reference_training(
+    init_params: Callable[[jax.Array], dict],
+    forward: Callable[[dict, jax.Array], jax.Array],
+    loss_fn: Callable[[jax.Array, dict], jax.Array],
+    optimizer: optax.GradientTransformation,
+    batches: list[dict],
+    seed: int = 0,
+) -> tuple[list[float], dict]:
+    """Plain jax + optax on one device, no shardkit code on the path.
+
+    Seed semantics documented in sk.TrainState: parameters come from split(key(seed))[0].
+    """
+    device = jax.devices()[0]
+    init_key = jax.random.split(jax.random.key(seed))[0]
+    params = jax.device_put(init_params(init_key), device)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(forward(p, batch), batch))(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for b in batches:
+        params, opt_state, loss = step(params, opt_state, jax.device_put(b, device))
+        losses.append(float(loss))
+    return losses, jax.device_get(params)
+
+
+def run_trainer(trainer: sk.Trainer, batches: list[dict], seed: int = 0) -> tuple[list[float], dict]:
+    state = trainer.init(seed)
+    losses = []
+    for b in batches:
+        state, metrics = trainer.step(state, trainer.shard_batch(b))
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(state.params)
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-5):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def run_python(code: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a fresh Python process (its own JAX backend and device count)."""
+    import os
+
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=full_env)

@@ -1,0 +1,95 @@
+"""The compiled step's collectives match the layout (counted in the HLO, not inferred from outputs)."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import shardkit as sk
+from shardkit import hlo
+from shardkit.models import GPT, GPTConfig
+
+CFG = GPTConfig.preset("tiny")
+B, T = 8, 32
+BATCH = {"tokens": jax.ShapeDtypeStruct((B, T + 1), jnp.int32)}
+
+
+def compiled_collectives(layout):
+    model = sk.from_nnx(lambda rngs: GPT(CFG, rngs=rngs))
+    trainer = sk.Trainer(model, optax.adamw(1e-3), layout)
+    found = hlo.collectives(trainer.compile(BATCH).as_text())
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.abstract_params()))
+    return trainer, found, param_bytes
+
+
+def by_kind_and_axes(trainer, found):
+    out = collections.defaultdict(list)
+    for c in found:
+        out[(c.kind, hlo.mesh_axes_of(c.groups, trainer.mesh))].append(c)
+    return out
+
+
+def test_data_parallel_reduces_gradients_and_gathers_no_parameters():
+    trainer, found, param_bytes = compiled_collectives("data=8")
+    groups = by_kind_and_axes(trainer, found)
+    assert set(groups) == {("all-reduce", ("data",))}, set(groups)
+    reduced = sum(c.payload_bytes * c.executions for c in groups[("all-reduce", ("data",))])
+    # Every gradient is all-reduced once (plus the scalar loss/count).
+    assert param_bytes <= reduced <= param_bytes * 1.01
+
+
+def test_fsdp_gathers_parameters_and_reduces_gradients_over_fsdp():
+    trainer, found, param_bytes = compiled_collectives("fsdp=8")
+    groups = by_kind_and_axes(trainer, found)
+    assert {axes for _, axes in groups} == {("fsdp",)}
+    gathers = groups[("all-gather", ("fsdp",))]
+    assert len(gathers) >= 9, "each sharded weight of the layer body, embedding and head is gathered"
+    # The gradient reduction over fsdp: reduce-scatter on GPU; all-reduce + dynamic-slice on CPU.
+    reductions = groups.get(("reduce-scatter", ("fsdp",)), []) + groups.get(("all-reduce", ("fsdp",)), [])
+    assert sum(c.payload_bytes * c.executions for c in reductions) >= param_bytes
+    # Parameters are gathered, not the (B, T, D) activations: no data movement of the batch.
+    assert all(c.op_name.endswith(("dot_general", "mul", "sharding_constraint")) for c in gathers)
+
+
+def test_tensor_parallel_all_reduces_activations_over_tensor():
+    trainer, found, param_bytes = compiled_collectives("data=2,tensor=4")
+    groups = by_kind_and_axes(trainer, found)
+    assert not any(kind == "all-gather" for kind, _ in groups), "tensor parallelism gathers no weights"
+    activation_bytes = (B // 2) * T * CFG.dim * 4  # (B/data, T, D) fp32
+    tensor_ar = [c for c in groups[("all-reduce", ("tensor",))] if c.payload_bytes == activation_bytes]
+    # Megatron: one all-reduce after attention and one after the MLP forward, two more backward,
+    # in every layer (the scanned body runs n_layers times).
+    in_layers = [c for c in tensor_ar if c.executions == CFG.n_layers]
+    assert len(in_layers) == 4, [c.op_name for c in tensor_ar]
+    ops = sorted(c.op_name.rsplit("/", 2)[-2] for c in in_layers)
+    # forward: attention output and MLP down projections; backward: the fused QKV and gate/up inputs
+    assert ops == sorted(["bthk,hkd->btd", "closed_call", "btd,dngk->btngk", "btd,dcf->btcf"]), ops
+    # Gradients are reduced over data only.
+    assert sum(c.payload_bytes * c.executions for c in groups[("all-reduce", ("data",))]) >= param_bytes / 4
+
+
+def test_hybrid_layout_has_all_three_patterns():
+    trainer, found, _ = compiled_collectives("data=2,fsdp=2,tensor=2")
+    groups = by_kind_and_axes(trainer, found)
+    assert ("all-gather", ("fsdp",)) in groups
+    assert ("all-reduce", ("tensor",)) in groups
+    assert any(kind == "all-reduce" and "data" in axes for kind, axes in groups)
+
+
+@pytest.mark.parametrize(
+    "line,groups",
+    [
+        ("%a = f32[4]{0} all-reduce(%x), replica_groups={{0,1},{2,3}}, to_apply=%add", ((0, 1), (2, 3))),
+        ("%a = f32[4]{0} all-reduce(%x), replica_groups=[2,4]<=[8], to_apply=%add", ((0, 1, 2, 3), (4, 5, 6, 7))),
+        ("%a = f32[4]{0} all-reduce(%x), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add",
+         ((0, 4), (1, 5), (2, 6), (3, 7))),
+        ("%a = f32[4]{0} all-gather(%x), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}",
+         ((0, 4), (1, 5), (2, 6), (3, 7))),
+    ],
+)
+def test_replica_group_spellings(line, groups):
+    (c,) = hlo.collectives(line)
+    assert c.groups == groups
+    assert c.payload_bytes == 16
