@@ -119,7 +119,8 @@ def regex_axes(params: Any, patterns: Sequence[RegexRule]) -> Any:
       A tree of :class:`Axes` with the structure of ``params``.
 
     Raises:
-      ShardkitError: for a path that no rule matches, a bad regex, or a rule that matches nothing.
+      ShardkitError: for a path that no rule matches, a bad regex, or a rule that matches
+        nothing (a catch-all such as ``r".*"`` may match nothing).
 
     Example:
       >>> import jax.numpy as jnp
@@ -149,7 +150,8 @@ def regex_axes(params: Any, patterns: Sequence[RegexRule]) -> Any:
         raise ShardkitError(NO_REGEX_MATCH.format(path=key, shape=tuple(leaf.shape), patterns=listing))
 
     out = jax.tree_util.tree_map_with_path(names_for, params)
-    unused = [p for _, p, _ in compiled if p not in used]
+    # A rule that matched nothing is a typo, except a catch-all (one that matches any path).
+    unused = [p for regex, p, _ in compiled if p not in used and not regex.fullmatch("")]
     if unused:
         raise ShardkitError(
             f"Regex rule {unused[0]!r} matched no parameter. Parameter paths look like "
