@@ -16,7 +16,7 @@ from shardkit.mesh import MESH_AXES, Layout
 from shardkit.model import Model, annotate, from_functions, from_linen, from_nnx
 from shardkit.partition import Axes, constrain, logical, use_sharding
 from shardkit.rules import LOGICAL_AXES, Rules, default_rules
-from shardkit.train import TrainState, Trainer, mse_loss, next_token_loss
+from shardkit.train import Trainer, TrainState, mse_loss, next_token_loss
 
 __version__ = "0.1.0"
 

@@ -40,8 +40,12 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json-log", default=None, help="write one JSON object per step to this file")
     p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="tokens to generate at the end")
     p.add_argument("--prompt", default=d.prompt)
-    p.add_argument("--devices", type=int, default=DEFAULT_SIMULATED_DEVICES,
-                   help="simulated CPU devices when no GPU is present (default 8)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=DEFAULT_SIMULATED_DEVICES,
+        help="simulated CPU devices when no GPU is present (default 8)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,9 +62,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             from shardkit.run import TrainConfig, train
 
             cfg = TrainConfig(
-                model=args.model, layout=args.layout, steps=args.steps, batch=args.batch, seq=args.seq,
-                lr=args.lr, optimizer=args.optimizer, dropout=args.dropout, seed=args.seed, data=args.data,
-                json_log=args.json_log, sample_tokens=args.sample_tokens, prompt=args.prompt,
+                model=args.model,
+                layout=args.layout,
+                steps=args.steps,
+                batch=args.batch,
+                seq=args.seq,
+                lr=args.lr,
+                optimizer=args.optimizer,
+                dropout=args.dropout,
+                seed=args.seed,
+                data=args.data,
+                json_log=args.json_log,
+                sample_tokens=args.sample_tokens,
+                prompt=args.prompt,
             )
             train(cfg)
     except ShardkitError as e:

@@ -16,9 +16,23 @@ import numpy as np
 from shardkit.errors import ShardkitError
 
 _STDLIB_FILES = (
-    "this.py", "textwrap.py", "string.py", "functools.py", "dataclasses.py", "argparse.py",
-    "collections/__init__.py", "json/encoder.py", "json/decoder.py", "pathlib.py", "random.py",
-    "statistics.py", "fractions.py", "heapq.py", "bisect.py", "typing.py", "inspect.py",
+    "this.py",
+    "textwrap.py",
+    "string.py",
+    "functools.py",
+    "dataclasses.py",
+    "argparse.py",
+    "collections/__init__.py",
+    "json/encoder.py",
+    "json/decoder.py",
+    "pathlib.py",
+    "random.py",
+    "statistics.py",
+    "fractions.py",
+    "heapq.py",
+    "bisect.py",
+    "typing.py",
+    "inspect.py",
 )
 
 

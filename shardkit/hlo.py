@@ -27,9 +27,28 @@ _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
     r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?P<start>-start)?\("
 )
-_ARRAY = re.compile(r"\b(?P<dtype>pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8\w*|bf16|f16|f32|f64|c64|c128)\[(?P<dims>[\d,]*)\]")
-_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
-          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(
+    r"\b(?P<dtype>pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8\w*|bf16|f16|f32|f64|c64|c128)\[(?P<dims>[\d,]*)\]"
+)
+_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 _OP_NAME = re.compile(r'op_name="(?P<op>[^"]*)"')
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(?P<groups>(?:\{[\d,\s]*\},?\s*)*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
@@ -71,8 +90,13 @@ def _shape_bytes(shape: str, kind: str, is_start: bool) -> int:
     arrays = [(m["dtype"], m["dims"]) for m in _ARRAY.finditer(shape)]
     if is_start and kind in ("all-gather", "collective-permute") and len(arrays) > 1:
         arrays = arrays[len(arrays) // 2 :]  # async start: (operands..., results...)
-    return int(sum(_BYTES.get(d.rstrip("0123456789fnuz") if d.startswith("f8") else d, 1)
-                   * math.prod(int(x) for x in dims.split(",") if x) for d, dims in arrays))
+    return int(
+        sum(
+            _BYTES.get(d.rstrip("0123456789fnuz") if d.startswith("f8") else d, 1)
+            * math.prod(int(x) for x in dims.split(",") if x)
+            for d, dims in arrays
+        )
+    )
 
 
 def _iota(shape: Sequence[int], dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
@@ -101,8 +125,10 @@ def _groups(line: str, kind: str) -> tuple[tuple[int, ...], ...]:
         grouped = ids.transpose(rest + over).reshape(-1, math.prod(sizes[i] for i in over) if over else 1)
         return tuple(tuple(int(x) for x in g) for g in grouped)
     if m := _IOTA_GROUPS.search(line):
-        return tuple(tuple(int(x) for x in g) for g in _iota(_ints(m["shape"]), _ints(m["dims"]),
-                                                             _ints(m["perm"]) if m["perm"] else None))
+        return tuple(
+            tuple(int(x) for x in g)
+            for g in _iota(_ints(m["shape"]), _ints(m["dims"]), _ints(m["perm"]) if m["perm"] else None)
+        )
     if m := _EXPLICIT_GROUPS.search(line):
         return tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,\s]*)\}", m["groups"]))
     if kind == "collective-permute" and (m := _PAIRS.search(line)):

@@ -76,8 +76,7 @@ class Layout:
                 size = None
             if not eq or size is None:
                 raise ShardkitError(
-                    f"Cannot read layout entry {part!r} in {text!r}: write axis=size, e.g. "
-                    "'data=2,fsdp=-1,tensor=2'."
+                    f"Cannot read layout entry {part!r} in {text!r}: write axis=size, e.g. 'data=2,fsdp=-1,tensor=2'."
                 )
             if name in sizes:
                 raise ShardkitError(f"Layout {text!r} names axis {name!r} twice; name each axis once.")

@@ -219,6 +219,7 @@ def named(specs: Any, mesh: Mesh) -> Any:
 # ---------------------------------------------------------------------------------------------
 # Activations: the rules and mesh in force, and constrain().
 
+
 @dataclasses.dataclass(frozen=True)
 class _Context:
     mesh: Mesh

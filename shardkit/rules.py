@@ -237,9 +237,7 @@ def resolve(
             f"'{missing_axes[0]}=2') or change the rule."
         )
     priority = {n: i for i, n in enumerate(known)}
-    order = sorted(
-        (d for d, n in enumerate(names) if n is not None), key=lambda d: (priority[names[d]], d)
-    )
+    order = sorted((d for d, n in enumerate(names) if n is not None), key=lambda d: (priority[names[d]], d))
     used: set[str] = set()
     entries: list[tuple[str, ...]] = [()] * len(names)
     for d in order:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -78,7 +79,8 @@ class Progress:
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
         width = 30
         done = int(width * step / self.total)
-        line = f"step {step:>5}/{self.total} [{'#' * done}{'.' * (width - done)}] loss {loss:7.4f}  {tokens_per_s:,.0f} tok/s"
+        bar = "#" * done + "." * (width - done)
+        line = f"step {step:>5}/{self.total} [{bar}] loss {loss:7.4f}  {tokens_per_s:,.0f} tok/s"
         if self.tty:
             self.out.write("\r" + line + ("\n" if step == self.total else ""))
             self.out.flush()
@@ -99,7 +101,9 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
       ``{"losses", "first_loss", "last_loss", "tokens_per_s", "sample", "layout", "devices"}``.
     """
     if cfg.model not in GPTConfig.preset_names():
-        raise ShardkitError(f"--model {cfg.model!r} is not a preset; choose one of {', '.join(GPTConfig.preset_names())}.")
+        raise ShardkitError(
+            f"--model {cfg.model!r} is not a preset; choose one of {', '.join(GPTConfig.preset_names())}."
+        )
     text = load_text(cfg.data) if cfg.data else None
     dataset = TextDataset.from_bytes(text, cfg.seed) if text is not None else TextDataset.builtin(cfg.seed)
     gpt_cfg = GPTConfig.preset(cfg.model, dropout=cfg.dropout)
@@ -119,12 +123,14 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
     print(trainer.format_sharding_table(), file=out)
 
     state = trainer.init(cfg.seed)
-    log = pathlib.Path(cfg.json_log).open("w") if cfg.json_log and jax.process_index() == 0 else None
     bar = Progress(cfg.steps) if progress and jax.process_index() == 0 else None
     losses: list[float] = []
     step_tokens = cfg.batch * cfg.seq
     timed_seconds, timed_steps = 0.0, 0
-    try:
+    with contextlib.ExitStack() as stack:
+        log = None
+        if cfg.json_log and jax.process_index() == 0:  # one writer, whatever the process count
+            log = stack.enter_context(pathlib.Path(cfg.json_log).open("w"))
         for step in range(cfg.steps):
             host_batch = dataset.batch(step, cfg.batch, cfg.seq, jax.process_index(), jax.process_count())
             batch = trainer.shard_batch(host_batch)
@@ -137,15 +143,17 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
             losses.append(loss)
             tokens_per_s = step_tokens / seconds
             if log is not None:
-                record = {"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_s,
-                          "grad_norm": float(metrics["grad_norm"]), "seconds": seconds}
+                record = {
+                    "step": step + 1,
+                    "loss": loss,
+                    "tokens_per_s": tokens_per_s,
+                    "grad_norm": float(metrics["grad_norm"]),
+                    "seconds": seconds,
+                }
                 log.write(json.dumps(record) + "\n")
                 log.flush()
             if bar is not None:
                 bar.update(step + 1, loss, tokens_per_s)
-    finally:
-        if log is not None:
-            log.close()
     mean_tps = step_tokens * timed_steps / timed_seconds if timed_steps else float("nan")
     head, tail = losses[: min(10, len(losses))], losses[-min(10, len(losses)) :]
     print(

@@ -132,7 +132,12 @@ class Trainer:
 
         abstract_params = model.abstract_params()
         self.param_specs = specs_for(
-            model.axes, abstract_params, self.rules, self.mesh, allow_replicate=allow_replicate, fallbacks=self.fallbacks
+            model.axes,
+            abstract_params,
+            self.rules,
+            self.mesh,
+            allow_replicate=allow_replicate,
+            fallbacks=self.fallbacks,
         )
         abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
         opt_specs = _follow_params(abstract_opt, abstract_params, self.param_specs)
@@ -268,8 +273,10 @@ class Trainer:
         """The parameter table as aligned text (scaling-book notation in the spec column)."""
         rows = self.sharding_table()
         header = ("parameter", "shape", "logical axes", "spec", "per device")
-        lines = [(r["path"], "x".join(map(str, r["shape"])), r["logical"], r["spec"], "x".join(map(str, r["shard"])))
-                 for r in rows]
+        lines = [
+            (r["path"], "x".join(map(str, r["shape"])), r["logical"], r["spec"], "x".join(map(str, r["shard"])))
+            for r in rows
+        ]
         widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
         out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
         out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]

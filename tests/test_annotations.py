@@ -50,8 +50,10 @@ REGEX = [
 
 def batches(n=6, b=16):
     rng = np.random.default_rng(0)
-    return [{"x": rng.normal(size=(b, D)).astype(np.float32), "y": rng.normal(size=(b, D)).astype(np.float32)}
-            for _ in range(n)]
+    return [
+        {"x": rng.normal(size=(b, D)).astype(np.float32), "y": rng.normal(size=(b, D)).astype(np.float32)}
+        for _ in range(n)
+    ]
 
 
 def mse(pred, batch):
@@ -123,8 +125,9 @@ def test_linen_model_hlo_data_parallel_has_no_gathers():
 
 
 def test_regex_rule_can_pin_an_explicit_partition_spec():
-    model = sk.annotate(sk.from_linen(PlainMLP(), jnp.zeros((2, D))),
-                        [(r"up_0/kernel$", P(None, "tensor")), (r".*", None)])
+    model = sk.annotate(
+        sk.from_linen(PlainMLP(), jnp.zeros((2, D))), [(r"up_0/kernel$", P(None, "tensor")), (r".*", None)]
+    )
     trainer = sk.Trainer(model, optax.sgd(0.1), "data=2,tensor=4", loss=sk.mse_loss)
     assert trainer.param_specs["up_0"]["kernel"] == P(None, "tensor")
     assert trainer.param_specs["down_0"]["kernel"] == P()

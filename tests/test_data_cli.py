@@ -40,8 +40,13 @@ def test_user_text_file(tmp_path):
 
 
 def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "shardkit.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**__import__("os").environ, "XLA_FLAGS": ""})
+    return subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**__import__("os").environ, "XLA_FLAGS": ""},
+    )
 
 
 @pytest.mark.slow
@@ -49,8 +54,25 @@ def test_shardkit_train_end_to_end(tmp_path):
     log = tmp_path / "log.jsonl"
     data = tmp_path / "text.txt"
     data.write_text(sk.builtin_corpus(200_000).decode("utf-8", errors="replace"))
-    result = run_cli("train", "--model", "tiny", "--steps", "25", "--batch", "8", "--seq", "32",
-                     "--lr", "1e-2", "--data", str(data), "--json-log", str(log), "--sample-tokens", "20")
+    result = run_cli(
+        "train",
+        "--model",
+        "tiny",
+        "--steps",
+        "25",
+        "--batch",
+        "8",
+        "--seq",
+        "32",
+        "--lr",
+        "1e-2",
+        "--data",
+        str(data),
+        "--json-log",
+        str(log),
+        "--sample-tokens",
+        "20",
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "8 cpu device(s), layout data=2,fsdp=2,tensor=2" in out

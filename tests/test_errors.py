@@ -56,8 +56,9 @@ def test_duplicate_mesh_axis_in_a_rule():
 
 
 def test_duplicate_mesh_axis_in_one_partition_spec():
-    model = sk.annotate(sk.from_linen(nn.Dense(8), jnp.zeros((1, 8))),
-                        [(r"kernel$", P("tensor", "tensor")), (r".*", None)])
+    model = sk.annotate(
+        sk.from_linen(nn.Dense(8), jnp.zeros((1, 8))), [(r"kernel$", P("tensor", "tensor")), (r".*", None)]
+    )
     with pytest.raises(sk.ShardkitError, match="uses mesh axis 'tensor' twice"):
         sk.Trainer(model, optax.sgd(0.1), "data=4,tensor=2", loss=sk.mse_loss)
 

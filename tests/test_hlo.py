@@ -83,10 +83,14 @@ def test_hybrid_layout_has_all_three_patterns():
     [
         ("%a = f32[4]{0} all-reduce(%x), replica_groups={{0,1},{2,3}}, to_apply=%add", ((0, 1), (2, 3))),
         ("%a = f32[4]{0} all-reduce(%x), replica_groups=[2,4]<=[8], to_apply=%add", ((0, 1, 2, 3), (4, 5, 6, 7))),
-        ("%a = f32[4]{0} all-reduce(%x), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add",
-         ((0, 4), (1, 5), (2, 6), (3, 7))),
-        ("%a = f32[4]{0} all-gather(%x), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}",
-         ((0, 4), (1, 5), (2, 6), (3, 7))),
+        (
+            "%a = f32[4]{0} all-reduce(%x), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add",
+            ((0, 4), (1, 5), (2, 6), (3, 7)),
+        ),
+        (
+            "%a = f32[4]{0} all-gather(%x), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}",
+            ((0, 4), (1, 5), (2, 6), (3, 7)),
+        ),
     ],
 )
 def test_replica_group_spellings(line, groups):

@@ -1,7 +1,6 @@
 """Layout parsing and the resolver's semantics, against hand-worked expectations."""
 
 import jax
-import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -70,8 +69,9 @@ def test_size_one_axes_drop_out():
 
 def test_non_dividing_dimension_replicated_only_on_request_and_reported():
     fallbacks = []
-    spec = resolve(("kv_heads", "kv"), (3, 8), default_rules(), MESH, what="wk",
-                   allow_replicate=True, fallbacks=fallbacks)
+    spec = resolve(
+        ("kv_heads", "kv"), (3, 8), default_rules(), MESH, what="wk", allow_replicate=True, fallbacks=fallbacks
+    )
     assert spec == P(None, None)
     assert len(fallbacks) == 1 and fallbacks[0].logical == "kv_heads" and fallbacks[0].shards == 2
     assert "replicated" in str(fallbacks[0])

@@ -3,4 +3,4 @@
 from shardkit.models.gpt import GPT, GPTConfig
 from shardkit.models.mlp import MLP, MLPConfig
 
-__all__ = ["GPT", "GPTConfig", "MLP", "MLPConfig"]
+__all__ = ["GPT", "MLP", "GPTConfig", "MLPConfig"]

@@ -138,8 +138,13 @@ class Attention(nnx.Module):
         self.groups = cfg.n_heads // cfg.n_kv_heads
         qkv_init = nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3))
         self.wqkv = _param(rngs, qkv_init, (d, n, self.groups + 2, k), ("embed", "kv_heads", None, "kv"), p)
-        self.wo = _param(rngs, nnx.initializers.lecun_normal(in_axis=(0, 1), out_axis=2),
-                         (cfg.n_heads, k, d), ("heads", "kv", "embed"), p)
+        self.wo = _param(
+            rngs,
+            nnx.initializers.lecun_normal(in_axis=(0, 1), out_axis=2),
+            (cfg.n_heads, k, d),
+            ("heads", "kv", "embed"),
+            p,
+        )
         self.cfg = cfg
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -199,6 +204,7 @@ class GPT(nnx.Module):
         p = cfg.param_dtype
         self.embed = _param(rngs, nnx.initializers.normal(0.02), (cfg.vocab, cfg.dim), ("vocab", "embed"), p)
         if cfg.scan_layers:
+
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def make_blocks(rngs: nnx.Rngs) -> Block:
@@ -220,8 +226,12 @@ class GPT(nnx.Module):
         x = jnp.take(table, tokens, axis=0).astype(dt)  # (B, T, D)
         x = constrain(_dropout(x, cfg.dropout, None if keys is None else keys[-1]), ("batch", "seq", "embed"))
         if cfg.scan_layers:
-            @nnx.scan(in_axes=(nnx.Carry, 0, 0 if keys is not None else None), out_axes=nnx.Carry,
-                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+
+            @nnx.scan(
+                in_axes=(nnx.Carry, 0, 0 if keys is not None else None),
+                out_axes=nnx.Carry,
+                transform_metadata={nnx.PARTITION_NAME: "layers"},
+            )
             def run(x: jax.Array, block: Block, key: jax.Array | None) -> jax.Array:
                 return block(x, key)
 

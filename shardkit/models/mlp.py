@@ -31,10 +31,16 @@ class MLP(nnx.Module):
     def __init__(self, cfg: MLPConfig, *, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
         self.w_in = nnx.List(
-            [nnx.Param(logical(init, ("embed", "mlp"))(rngs.params(), (cfg.dim, cfg.hidden))) for _ in range(cfg.n_layers)]
+            [
+                nnx.Param(logical(init, ("embed", "mlp"))(rngs.params(), (cfg.dim, cfg.hidden)))
+                for _ in range(cfg.n_layers)
+            ]
         )
         self.w_out = nnx.List(
-            [nnx.Param(logical(init, ("mlp", "embed"))(rngs.params(), (cfg.hidden, cfg.dim))) for _ in range(cfg.n_layers)]
+            [
+                nnx.Param(logical(init, ("mlp", "embed"))(rngs.params(), (cfg.hidden, cfg.dim)))
+                for _ in range(cfg.n_layers)
+            ]
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
