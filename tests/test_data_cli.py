@@ -89,3 +89,36 @@ def test_shardkit_train_bad_layout_exits_with_the_fix():
     result = run_cli("train", "--layout", "data=3,tensor=3", "--steps", "1")
     assert result.returncode == 2
     assert "needs 9 devices but 8 are available" in result.stderr
+
+
+def test_readme_library_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## As a library") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "XLA_FLAGS": ""},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "blocks/attn/wqkv" in result.stdout
+    assert float(result.stdout.strip().splitlines()[-1]) < 5.0
+
+
+def test_shardkit_console_command_is_installed():
+    import shutil
+
+    exe = shutil.which("shardkit") or str(pathlib_bin() / "shardkit")
+    result = subprocess.run([exe, "train", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "--layout" in result.stdout
+
+
+def pathlib_bin():
+    import pathlib
+
+    return pathlib.Path(sys.executable).parent
