@@ -22,6 +22,7 @@ from shardkit.errors import ShardkitError
 from shardkit.mesh import Layout, as_layout
 from shardkit.model import Model, Params
 from shardkit.partition import Axes, named, path_str, specs_for, use_sharding
+from shardkit.precision import Precision, as_precision
 from shardkit.rules import Fallback, Rules, default_rules, resolve
 
 Batch = Mapping[str, jax.Array]
@@ -39,12 +40,18 @@ class TrainState:
       opt_state: the optax state.
       rng: uint32 key data; step ``s`` draws dropout bits from ``fold_in(rng, s)``, so the bits
         depend on the seed and the step only, never on the layout or on restarts.
+      master: float32 master copy of the parameters under the ``bf16-master`` precision
+        policy (the optimizer updates it; ``params`` is its bf16 image), else None.
+
+    Seeds: ``init(seed)`` splits ``jax.random.key(seed)`` in two; the first creates the
+    parameters, the second is ``rng``.
     """
 
     step: jax.Array
     params: Params
     opt_state: optax.OptState
     rng: jax.Array
+    master: Params | None = None
 
 
 def next_token_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -89,6 +96,11 @@ class Trainer:
         the first dimension of every entry is ``batch`` and the rest unsharded.
       allow_replicate: replicate parameter dimensions that do not divide their mesh axes instead
         of raising; :attr:`fallbacks` lists them.
+      precision: ``"fp32"``, ``"bf16"`` (fp32 parameters, bf16 compute) or ``"bf16-master"``
+        (bf16 parameters, fp32 master weights); see :mod:`shardkit.precision`.
+      microbatches: split each batch into this many microbatches and accumulate their
+        gradients inside the compiled step (``lax.scan``): the same update as the whole batch in
+        one pass, with the activations of one microbatch alive at a time.
       devices: the devices to use (default: all of ``jax.devices()``).
 
     Example:
@@ -111,6 +123,8 @@ class Trainer:
         loss: LossFn = next_token_loss,
         batch_axes: Mapping[str, Sequence[str | None]] | None = None,
         allow_replicate: bool = False,
+        precision: str | Precision = "fp32",
+        microbatches: int = 1,
         devices: Sequence[jax.Device] | None = None,
     ) -> None:
         if not isinstance(optimizer, optax.GradientTransformation):
@@ -120,7 +134,11 @@ class Trainer:
                 f"model must be a shardkit Model, got {type(model).__name__}. Wrap a Flax model with "
                 "sk.from_nnx(lambda rngs: MyModel(..., rngs=rngs)) or sk.from_linen(module, example_input)."
             )
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+            raise ShardkitError(f"microbatches must be a positive integer, got {microbatches!r}.")
         devices = list(jax.devices() if devices is None else devices)
+        self.precision = as_precision(precision)
+        self.microbatches = microbatches
         self.model = model
         self.optimizer = optimizer
         self.loss = loss
@@ -139,25 +157,39 @@ class Trainer:
             allow_replicate=allow_replicate,
             fallbacks=self.fallbacks,
         )
-        abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+        abstract_opt = jax.eval_shape(lambda p: optimizer.init(self._updated_copy(p)), abstract_params)
         opt_specs = _follow_params(abstract_opt, abstract_params, self.param_specs)
         replicated = PartitionSpec()
-        self.state_specs = TrainState(step=replicated, params=self.param_specs, opt_state=opt_specs, rng=replicated)
+        self.state_specs = TrainState(
+            step=replicated,
+            params=self.param_specs,
+            opt_state=opt_specs,
+            rng=replicated,
+            master=self.param_specs if self.precision.master is not None else None,
+        )
         self.state_shardings: TrainState = named(self.state_specs, self.mesh)
         self._compiled: dict[Any, jax.stages.Compiled] = {}
         self._init = jax.jit(self._init_fn, static_argnums=0, out_shardings=self.state_shardings)
 
     # -- state --------------------------------------------------------------------------------
+    def _updated_copy(self, params: Params) -> Params:
+        """What the optimizer updates: the fp32 master copy, or the parameters themselves."""
+        if self.precision.master is not None:
+            return jax.tree.map(lambda x: x.astype(self.precision.master), params)
+        return self.precision.cast_for_storage(params)
+
     def _init_fn(self, seed: int) -> TrainState:
         key = jax.random.key(seed)
         init_key, rng = jax.random.split(key)
         with use_sharding(self.mesh, self.rules):
-            params = self.model.init(init_key)
+            created = self.model.init(init_key)
+        updated = self._updated_copy(created)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=self.optimizer.init(params),
+            params=self.precision.cast_for_storage(created),
+            opt_state=self.optimizer.init(updated),
             rng=jax.random.key_data(rng),
+            master=updated if self.precision.master is not None else None,
         )
 
     def init(self, seed: int = 0) -> TrainState:
@@ -195,17 +227,60 @@ class Trainer:
         }
 
     # -- the step -----------------------------------------------------------------------------
+    def _grads(self, params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
+        """Loss, count and gradients of one (micro)batch; the forward runs in the compute dtype."""
+
+        def loss_of(p: Params) -> tuple[jax.Array, jax.Array]:
+            compute_params = self.precision.cast_for_compute(p)
+            return self.loss(lambda inputs: self.model.apply(compute_params, inputs, key), batch)
+
+        (loss, count), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        return loss, count, grads
+
+    def _accumulated_grads(self, params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
+        """Mean loss and gradients over ``microbatches`` slices of the batch, one at a time."""
+        k = self.microbatches
+        if k == 1:
+            return self._grads(params, batch, key)
+        batch_specs = self.batch_specs(batch)
+
+        def split(name: str, x: jax.Array) -> jax.Array:
+            # (B, ...) -> (K, B/K, ...) taking every K-th row, so each device keeps its own rows
+            # and no data moves; the microbatch rows stay sharded like the batch.
+            micro = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+            spec = PartitionSpec(None, *batch_specs[name])
+            return jax.lax.with_sharding_constraint(micro, NamedSharding(self.mesh, spec))
+
+        micro = {name: split(name, x) for name, x in batch.items()}
+        accumulate_shardings = self.state_shardings.params
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = jax.lax.with_sharding_constraint(zeros, accumulate_shardings)
+
+        def body(carry: tuple[Any, Any, Any], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, Any, Any], None]:
+            grad_sum, loss_sum, count_sum = carry
+            mb, i = xs
+            loss, count, grads = self._grads(params, mb, jax.random.fold_in(key, i))
+            grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+            grad_sum = jax.lax.with_sharding_constraint(grad_sum, accumulate_shardings)
+            return (grad_sum, loss_sum + loss, count_sum + count), None
+
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, (micro, jnp.arange(k)))
+        return loss_sum / k, count, jax.tree.map(lambda g: g / k, grad_sum)
+
     def _step_fn(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-
-        def loss_of(params: Params) -> tuple[jax.Array, jax.Array]:
-            return self.loss(lambda inputs: self.model.apply(params, inputs, key), batch)
-
-        (loss, count), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        loss, count, grads = self._accumulated_grads(state.params, batch, key)
+        target = state.master if state.master is not None else state.params
+        grads = jax.tree.map(lambda g, t: g.astype(t.dtype), grads, target)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, target)
+        updated = optax.apply_updates(target, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count}
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        if state.master is not None:
+            new = state.replace(params=self.precision.cast_for_storage(updated), master=updated)
+        else:
+            new = state.replace(params=updated)
+        return new.replace(step=state.step + 1, opt_state=opt_state), metrics
 
     def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:
         """Compile (once per batch shape) the train step for batches shaped like ``batch``.
@@ -215,6 +290,7 @@ class Trainer:
         key = tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch.items()))
         compiled = self._compiled.get(key)
         if compiled is None:
+            self._check_microbatches(batch)
             batch_shardings = named(self.batch_specs(batch), self.mesh)
             abstract_batch = {
                 k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k]) for k, v in batch.items()
@@ -230,6 +306,18 @@ class Trainer:
                 compiled = jitted.lower(self.abstract_state(), abstract_batch).compile()
             self._compiled[key] = compiled
         return compiled
+
+    def _check_microbatches(self, batch: Mapping[str, Any]) -> None:
+        mesh_shape = dict(self.mesh.shape)
+        for name, spec in self.batch_specs(batch).items():
+            rows = batch[name].shape[0] if batch[name].shape else 0
+            shards = math.prod(mesh_shape[a] for a in _axes_of(spec[0])) if len(spec) else 1
+            if rows % (self.microbatches * shards):
+                raise ShardkitError(
+                    f"batch[{name!r}] has {rows} rows: with microbatches={self.microbatches} and the batch "
+                    f"split over {shards} devices it needs a multiple of {self.microbatches * shards}. "
+                    "Change the batch size or the number of microbatches."
+                )
 
     def step(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step. ``state`` is donated: use the returned state from here on.

@@ -38,6 +38,16 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Rematerialisation policies by name: what the backward pass may keep from the forward pass of
+# each layer (the rest it recomputes). "none" keeps everything; "full" keeps only the layer input.
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,  # save every matmul output
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """Shape and behaviour of :class:`GPT`. ``GPTConfig.preset(name, **overrides)`` for presets."""
@@ -52,9 +62,10 @@ class GPTConfig:
     dropout: float = 0.0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    dtype: str = "float32"  # compute dtype
+    dtype: str | None = None  # compute dtype; None: that of the parameters it is given
     param_dtype: str = "float32"
     scan_layers: bool = True  # one compiled layer body, scanned L times
+    remat: str = "none"  # per-layer rematerialisation: see REMAT_POLICIES
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -64,6 +75,8 @@ class GPTConfig:
                 f"GPTConfig: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
                 "(each kv head serves a whole group of query heads)."
             )
+        if self.remat not in REMAT_POLICIES:
+            raise ShardkitError(f"GPTConfig: remat={self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ShardkitError(f"GPTConfig: dropout={self.dropout} must be in [0, 1).")
 
@@ -193,6 +206,12 @@ class Block(nnx.Module):
         return constrain(x, ("batch", "seq", "embed"))
 
 
+def _layer(block: Block, x: jax.Array, key: jax.Array | None, remat: str) -> jax.Array:
+    if remat == "none":
+        return block(x, key)
+    return nnx.remat(lambda b, h, k: b(h, k), policy=REMAT_POLICIES[remat])(block, x, key)
+
+
 class GPT(nnx.Module):
     """Decoder-only language model. ``__call__(tokens (B, T) int, rngs=None) -> logits (B, T, V)``.
 
@@ -218,7 +237,7 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         cfg = self.cfg
-        dt = jnp.dtype(cfg.dtype)
+        dt = self.embed[...].dtype if cfg.dtype is None else jnp.dtype(cfg.dtype)
         keys = None if rngs is None or cfg.dropout == 0.0 else jax.random.split(rngs.dropout(), cfg.n_layers + 1)
         # Gather the table's embed dimension first (what FSDP does for every weight), so the
         # lookup is a vocab-parallel gather rather than a reshard of the (B, T, D) activations.
@@ -233,12 +252,12 @@ class GPT(nnx.Module):
                 transform_metadata={nnx.PARTITION_NAME: "layers"},
             )
             def run(x: jax.Array, block: Block, key: jax.Array | None) -> jax.Array:
-                return block(x, key)
+                return _layer(block, x, key, cfg.remat)
 
             x = run(x, self.blocks, None if keys is None else keys[:-1])  # (B, T, D)
         else:
             for i, block in enumerate(self.blocks):
-                x = block(x, None if keys is None else keys[i])  # (B, T, D)
+                x = _layer(block, x, None if keys is None else keys[i], cfg.remat)  # (B, T, D)
         x = self.final_norm(x)
         logits = x @ self.lm_head[...].astype(dt)  # (B, T, V)
         return constrain(logits, ("batch", "seq", "vocab"))

@@ -1,0 +1,70 @@
+"""Mixed-precision policies: which dtype the parameters are stored in, computed in, and updated in.
+
+=============  ==============  =============  =================================================
+policy         stored params   compute        optimizer updates
+=============  ==============  =============  =================================================
+``fp32``       float32         float32        the float32 params
+``bf16``       float32         bfloat16       the float32 params (params cast for the forward)
+``bf16-master`` bfloat16       bfloat16       a float32 master copy; params = master in bf16
+=============  ==============  =============  =================================================
+
+``bf16-master`` is the layout of ZeRO's mixed-precision Adam: 2 bytes of bf16 parameters,
+2 of bf16 gradients, 12 of fp32 master weights and moments per parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from shardkit.errors import ShardkitError
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """A mixed-precision policy.
+
+    Attributes:
+      name: the policy's name.
+      compute: dtype of the forward and backward pass (floating parameters are cast to it).
+      params: dtype the parameters are stored in.
+      master: dtype of the master copy the optimizer updates, or None to update ``params``.
+    """
+
+    name: str
+    compute: Any
+    params: Any
+    master: Any | None = None
+
+    def cast_for_compute(self, params: Any) -> Any:
+        """Floating parameters in the compute dtype (integers untouched)."""
+        return _cast(params, self.compute)
+
+    def cast_for_storage(self, params: Any) -> Any:
+        return _cast(params, self.params)
+
+
+def _cast(tree: Any, dtype: Any) -> Any:
+    def one(x: Any) -> Any:
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
+
+    return jax.tree.map(one, tree)
+
+
+POLICIES: dict[str, Precision] = {
+    "fp32": Precision("fp32", jnp.float32, jnp.float32),
+    "bf16": Precision("bf16", jnp.bfloat16, jnp.float32),
+    "bf16-master": Precision("bf16-master", jnp.bfloat16, jnp.bfloat16, master=jnp.float32),
+}
+
+
+def as_precision(policy: str | Precision) -> Precision:
+    """A policy by name (``fp32``, ``bf16``, ``bf16-master``) or as given."""
+    if isinstance(policy, Precision):
+        return policy
+    if policy not in POLICIES:
+        raise ShardkitError(f"Unknown precision {policy!r}; choose one of {', '.join(POLICIES)}.")
+    return POLICIES[policy]
