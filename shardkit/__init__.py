@@ -8,13 +8,16 @@ The public API, all of it re-exported here::
                          optax.adamw(1e-3), layout="data=2,fsdp=2,tensor=2")
 """
 
-from shardkit import models, rules
+from shardkit import hlo, models, report, rules
 from shardkit.data import TextDataset, builtin_corpus, load_text
 from shardkit.devices import simulate_devices
+from shardkit.dryrun import DryRunConfig, dryrun
 from shardkit.errors import ShardkitError
 from shardkit.mesh import MESH_AXES, Layout
 from shardkit.model import Model, annotate, from_functions, from_linen, from_nnx
 from shardkit.partition import Axes, constrain, logical, use_sharding
+from shardkit.precision import Precision
+from shardkit.report import Report
 from shardkit.rules import LOGICAL_AXES, Rules, default_rules
 from shardkit.train import Trainer, TrainState, mse_loss, next_token_loss
 
@@ -24,8 +27,11 @@ __all__ = [
     "LOGICAL_AXES",
     "MESH_AXES",
     "Axes",
+    "DryRunConfig",
     "Layout",
     "Model",
+    "Precision",
+    "Report",
     "Rules",
     "ShardkitError",
     "TextDataset",
@@ -35,14 +41,17 @@ __all__ = [
     "builtin_corpus",
     "constrain",
     "default_rules",
+    "dryrun",
     "from_functions",
     "from_linen",
     "from_nnx",
+    "hlo",
     "load_text",
     "logical",
     "models",
     "mse_loss",
     "next_token_loss",
+    "report",
     "rules",
     "simulate_devices",
     "use_sharding",

@@ -22,6 +22,14 @@ def _use_simulated_devices_if_no_accelerator(n: int) -> None:
         jax.config.update("jax_num_cpu_devices", n)
 
 
+def _simulate_exactly(n: int) -> None:
+    """Plans are compiled for simulated CPU devices, whatever hardware this machine has."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
+
+
 def _train_parser(sub: argparse._SubParsersAction) -> None:
     from shardkit.run import OPTIMIZERS, TrainConfig
 
@@ -48,10 +56,65 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def _plan_arguments(p: argparse.ArgumentParser, default_layout: str) -> None:
+    """Flags shared by `dryrun` and `inspect`: a model, a layout and the batch shape."""
+    from shardkit.precision import POLICIES
+
+    p.add_argument("--model", default="llama2-7b", help="GPT preset")
+    p.add_argument("--layout", default=default_layout)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's max_seq)")
+    p.add_argument("--precision", choices=sorted(POLICIES), default="fp32")
+    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--remat", default="none", help="none, full, dots, dots_no_batch")
+    p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
+    p.add_argument("--unrolled", action="store_true", help="unroll the layer stack instead of scanning it")
+    p.add_argument("--devices", type=int, default=None, help="device count when the layout has a -1")
+
+
+def _dryrun_config(args: argparse.Namespace):
+    from shardkit.dryrun import DryRunConfig
+
+    return DryRunConfig(
+        model=args.model,
+        layout=args.layout,
+        batch=args.batch,
+        seq=args.seq,
+        precision=args.precision,
+        microbatches=args.microbatches,
+        remat=args.remat,
+        scan_layers=not args.unrolled,
+        n_layers=args.layers,
+        devices=args.devices,
+    )
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    from shardkit.dryrun import trainer_for
+    from shardkit.report import sharding_warnings
+
+    trainer, batch = trainer_for(_dryrun_config(args))
+    print(f"{trainer.model.name}: parameters and their shardings (layout {trainer.layout.spec()})")
+    print(trainer.format_sharding_table())
+    print()
+    print(trainer.report(batch).table())
+    warnings = sharding_warnings(trainer)
+    for w in warnings:
+        print(f"warning: {w}")
+    if not warnings:
+        print("no warnings")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardkit", description="Train Flax models with JAX SPMD sharding.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    dry = sub.add_parser("dryrun", help="compile a train step for N simulated devices; print memory and collectives")
+    _plan_arguments(dry, "fsdp=8")
+    dry.add_argument("--json", action="store_true", help="print the result as JSON")
+    ins = sub.add_parser("inspect", help="per-parameter shardings, collectives, memory and warnings")
+    _plan_arguments(ins, "data=2,fsdp=2,tensor=2")
+    ins.set_defaults(model="tiny", seq=None)
     args = parser.parse_args(argv)
 
     from shardkit.errors import ShardkitError
@@ -77,6 +140,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prompt=args.prompt,
             )
             train(cfg)
+        elif args.command in ("dryrun", "inspect"):
+            cfg = _dryrun_config(args)
+            _simulate_exactly(cfg.num_devices())
+            if args.command == "dryrun":
+                from shardkit.dryrun import run_cli
+
+                run_cli(cfg, args.json)
+            else:
+                _inspect(args)
     except ShardkitError as e:
         print(f"shardkit: error: {e}", file=sys.stderr)
         return 2

@@ -80,6 +80,7 @@ class Collective:
     op_name: str
     line: str
     executions: int = 1
+    shapes: tuple[tuple[int, ...], ...] = ()  # result array shape(s); several for a combined op
 
     @property
     def group_size(self) -> int:
@@ -190,9 +191,47 @@ def collectives(hlo_text: str) -> list[Collective]:
                 op_name=op["op"] if op else "",
                 line=line.strip(),
                 executions=runs.get(current, 1),
+                shapes=tuple(tuple(int(x) for x in a["dims"].split(",") if x) for a in _ARRAY.finditer(m["shape"])),
             )
         )
     return out
+
+
+_DOT = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\S+)\s+dot\(%(?P<lhs>[\w.\-]+),")
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>[a-z0-9]+\[[\d,]*\])")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
+
+
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY.search(shape)
+    return [int(x) for x in m["dims"].split(",") if x] if m else []
+
+
+def dot_flops(hlo_text: str) -> float:
+    """FLOPs of every matmul (``dot``) one execution of the module runs on one device.
+
+    ``2 * prod(result dims) * prod(contracted dims)`` per dot, times the trip counts of the loops
+    around it. XLA's own ``cost_analysis()`` counts a while-loop body once, which undercounts a
+    scanned layer stack by the number of layers; this does not.
+    """
+    lines = hlo_text.splitlines()
+    runs = _executions(lines)
+    shapes: dict[str, list[int]] = {}
+    total, current = 0.0, ""
+    for line in lines:
+        if c := _COMPUTATION.match(line):
+            current, shapes = c["name"], {}
+            continue
+        if d := _DEFINITION.match(line):
+            shapes[d["name"]] = _dims(d["shape"])
+        if m := _DOT.match(line):
+            lhs = shapes.get(m["lhs"])
+            contracting = _CONTRACTING.search(line)
+            if lhs is None or contracting is None:
+                continue
+            k = math.prod(lhs[int(i)] for i in contracting["dims"].split(",") if i)
+            total += 2.0 * math.prod(_dims(m["shape"])) * k * runs.get(current, 1)
+    return total
 
 
 def mesh_axes_of(groups: Sequence[Sequence[int]], mesh: Mesh) -> tuple[str, ...]:

@@ -31,12 +31,15 @@ class Model:
       apply: ``(params, inputs, key_or_None) -> outputs``; ``key`` drives dropout (None: off).
       axes: tree of :class:`shardkit.partition.Axes` matching ``params``.
       name: shown in tables.
+      info: facts reports use when known: ``layers``, ``dim`` (hidden size) and
+        ``matmul_params`` (parameters used in matmuls, for model FLOPs).
     """
 
     init: Callable[[jax.Array], Params]
     apply: Callable[[Params, Any, jax.Array | None], Any]
     axes: Any
     name: str = "model"
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def abstract_params(self, seed: int = 0) -> Params:
         """Shapes and dtypes of the parameters (``ShapeDtypeStruct`` tree); allocates nothing."""
@@ -52,7 +55,12 @@ supported yet.
 """
 
 
-def from_nnx(make: Callable[[nnx.Rngs], nnx.Module] | nnx.Module, *, name: str | None = None) -> Model:
+def from_nnx(
+    make: Callable[[nnx.Rngs], nnx.Module] | nnx.Module,
+    *,
+    name: str | None = None,
+    info: Mapping[str, Any] | None = None,
+) -> Model:
     """Wrap a Flax NNX model.
 
     Pass a constructor ``rngs -> module`` so that parameters are created already sharded, inside
@@ -89,7 +97,7 @@ def from_nnx(make: Callable[[nnx.Rngs], nnx.Module] | nnx.Module, *, name: str |
             return module(inputs, rngs=None if key is None else nnx.Rngs(dropout=key))
         return module(inputs)
 
-    return Model(init, apply, _plain_dict(nnx_axes(abstract_params)), label)
+    return Model(init, apply, _plain_dict(nnx_axes(abstract_params)), label, dict(info or {}))
 
 
 def _plain_dict(tree: Any) -> Any:

@@ -9,6 +9,7 @@ shardings, donate)`` is the whole step, in which XLA emits the collectives.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from shardkit.mesh import Layout, as_layout
 from shardkit.model import Model, Params
 from shardkit.partition import Axes, named, path_str, specs_for, use_sharding
 from shardkit.precision import Precision, as_precision
+from shardkit.report import Report, build_report
 from shardkit.rules import Fallback, Rules, default_rules, resolve
 
 Batch = Mapping[str, jax.Array]
@@ -287,7 +289,7 @@ class Trainer:
 
         ``batch`` may hold arrays or ``jax.ShapeDtypeStruct``: nothing is allocated.
         """
-        key = tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch.items()))
+        key = _batch_key(batch)
         compiled = self._compiled.get(key)
         if compiled is None:
             self._check_microbatches(batch)
@@ -332,6 +334,16 @@ class Trainer:
         return self.compile(batch)(state, batch)
 
     # -- explaining ---------------------------------------------------------------------------
+    def report(self, batch: Mapping[str, Any]) -> Report:
+        """What the compiled step does per device: collectives, memory, FLOPs, lower bound.
+
+        ``batch`` may be abstract (``jax.ShapeDtypeStruct``); see :class:`shardkit.report.Report`.
+        """
+        start = time.perf_counter()
+        fresh = _batch_key(batch) not in self._compiled
+        self.compile(batch)
+        return build_report(self, dict(batch), time.perf_counter() - start if fresh else None)
+
     def sharding_table(self) -> list[dict[str, Any]]:
         """One row per parameter: path, shape, logical axes, spec and per-device shard shape."""
         rows = []
@@ -369,6 +381,10 @@ class Trainer:
         out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
         out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
         return "\n".join(out)
+
+
+def _batch_key(batch: Mapping[str, Any]) -> tuple[Any, ...]:
+    return tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch.items()))
 
 
 def _axes_of(entry: Any) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardkit.errors import ShardkitError
+from shardkit.model import Model, from_nnx
 from shardkit.partition import constrain, logical
 
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -96,6 +97,15 @@ class GPTConfig:
     def preset_names() -> tuple[str, ...]:
         return tuple(_PRESETS)
 
+    def model(self, name: str | None = None) -> Model:
+        """This GPT as a shardkit :class:`~shardkit.Model` (with the facts reports use).
+
+        Example:
+          >>> model = GPTConfig.preset("tiny").model()
+        """
+        info = {"layers": self.n_layers, "dim": self.dim, "matmul_params": self.num_params() - self.vocab * self.dim}
+        return from_nnx(lambda rngs: GPT(self, rngs=rngs), name=name or "GPT", info=info)
+
     def num_params(self) -> int:
         """Parameter count (embedding and untied output head included)."""
         d, f, k = self.dim, self.mlp_dim, self.head_dim
@@ -163,14 +173,17 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, _ = x.shape
         g = self.groups
-        qkv = jnp.einsum("btd,dngk->btngk", x, self.wqkv[...].astype(x.dtype))  # (B, T, N, G+2, K)
+        with jax.named_scope("qkv_proj"):
+            qkv = jnp.einsum("btd,dngk->btngk", x, self.wqkv[...].astype(x.dtype))  # (B, T, N, G+2, K)
         q = qkv[:, :, :, :g, :].reshape(b, t, -1, qkv.shape[-1])  # (B, T, H, K), head h -> kv head h // G
         k, v = qkv[:, :, :, g, :], qkv[:, :, :, g + 1, :]  # (B, T, N, K) each
         q = constrain(rotary(q, self.cfg.rope_theta), ("batch", "seq", "heads", "kv"))
         k = constrain(rotary(k, self.cfg.rope_theta), ("batch", "seq", "kv_heads", "kv"))
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, H, K)
+        with jax.named_scope("attention"):
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, H, K)
         out = constrain(out, ("batch", "seq", "heads", "kv"))
-        return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(x.dtype))  # (B, T, D)
+        with jax.named_scope("out_proj"):
+            return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(x.dtype))  # (B, T, D)
 
 
 class SwiGLU(nnx.Module):
@@ -183,10 +196,12 @@ class SwiGLU(nnx.Module):
         self.w_down = _param(rngs, nnx.initializers.lecun_normal(), (f, d), ("mlp", "embed"), p)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate_up = jnp.einsum("btd,dcf->btcf", x, self.w_gate_up[...].astype(x.dtype))  # (B, T, 2, F)
+        with jax.named_scope("gate_up_proj"):
+            gate_up = jnp.einsum("btd,dcf->btcf", x, self.w_gate_up[...].astype(x.dtype))  # (B, T, 2, F)
         h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # (B, T, F)
         h = constrain(h, ("batch", "seq", "mlp"))
-        return h @ self.w_down[...].astype(x.dtype)  # (B, T, D)
+        with jax.named_scope("down_proj"):
+            return h @ self.w_down[...].astype(x.dtype)  # (B, T, D)
 
 
 class Block(nnx.Module):
@@ -201,15 +216,18 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
         k1, k2 = (None, None) if key is None else jax.random.split(key)
-        x = x + _dropout(self.attn(self.attn_norm(x)), self.dropout, k1)  # (B, T, D)
-        x = x + _dropout(self.mlp(self.mlp_norm(x)), self.dropout, k2)  # (B, T, D)
+        with jax.named_scope("attn"):
+            x = x + _dropout(self.attn(self.attn_norm(x)), self.dropout, k1)  # (B, T, D)
+        with jax.named_scope("mlp"):
+            x = x + _dropout(self.mlp(self.mlp_norm(x)), self.dropout, k2)  # (B, T, D)
         return constrain(x, ("batch", "seq", "embed"))
 
 
-def _layer(block: Block, x: jax.Array, key: jax.Array | None, remat: str) -> jax.Array:
-    if remat == "none":
-        return block(x, key)
-    return nnx.remat(lambda b, h, k: b(h, k), policy=REMAT_POLICIES[remat])(block, x, key)
+def _layer(block: Block, x: jax.Array, key: jax.Array | None, remat: str, name: str = "layer") -> jax.Array:
+    with jax.named_scope(name):  # collectives in reports say which layer they come from
+        if remat == "none":
+            return block(x, key)
+        return nnx.remat(lambda b, h, k: b(h, k), policy=REMAT_POLICIES[remat])(block, x, key)
 
 
 class GPT(nnx.Module):
@@ -241,8 +259,9 @@ class GPT(nnx.Module):
         keys = None if rngs is None or cfg.dropout == 0.0 else jax.random.split(rngs.dropout(), cfg.n_layers + 1)
         # Gather the table's embed dimension first (what FSDP does for every weight), so the
         # lookup is a vocab-parallel gather rather than a reshard of the (B, T, D) activations.
-        table = constrain(self.embed[...], ("vocab", None))  # (V, D)
-        x = jnp.take(table, tokens, axis=0).astype(dt)  # (B, T, D)
+        with jax.named_scope("embed"):
+            table = constrain(self.embed[...], ("vocab", None))  # (V, D)
+            x = jnp.take(table, tokens, axis=0).astype(dt)  # (B, T, D)
         x = constrain(_dropout(x, cfg.dropout, None if keys is None else keys[-1]), ("batch", "seq", "embed"))
         if cfg.scan_layers:
 
@@ -257,7 +276,8 @@ class GPT(nnx.Module):
             x = run(x, self.blocks, None if keys is None else keys[:-1])  # (B, T, D)
         else:
             for i, block in enumerate(self.blocks):
-                x = _layer(block, x, None if keys is None else keys[i], cfg.remat)  # (B, T, D)
+                x = _layer(block, x, None if keys is None else keys[i], cfg.remat, f"layer_{i}")  # (B, T, D)
         x = self.final_norm(x)
-        logits = x @ self.lm_head[...].astype(dt)  # (B, T, V)
+        with jax.named_scope("lm_head"):
+            logits = x @ self.lm_head[...].astype(dt)  # (B, T, V)
         return constrain(logits, ("batch", "seq", "vocab"))
