@@ -63,9 +63,9 @@ def test_tensor_parallel_all_reduces_activations_over_tensor():
     # in every layer (the scanned body runs n_layers times).
     in_layers = [c for c in tensor_ar if c.executions == CFG.n_layers]
     assert len(in_layers) == 4, [c.op_name for c in tensor_ar]
-    ops = sorted(c.op_name.rsplit("/", 2)[-2] for c in in_layers)
     # forward: attention output and MLP down projections; backward: the fused QKV and gate/up inputs
-    assert ops == sorted(["bthk,hkd->btd", "closed_call", "btd,dngk->btngk", "btd,dcf->btcf"]), ops
+    for scope in ("layer/attn/out_proj/", "layer/mlp/down_proj/", "layer/attn/qkv_proj/", "layer/mlp/gate_up_proj/"):
+        assert sum(scope in c.op_name for c in in_layers) == 1, (scope, [c.op_name for c in in_layers])
     # Gradients are reduced over data only.
     assert sum(c.payload_bytes * c.executions for c in groups[("all-reduce", ("data",))]) >= param_bytes / 4
 
