@@ -54,6 +54,20 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_SIMULATED_DEVICES,
         help="simulated CPU devices when no GPU is present (default 8)",
     )
+    p.add_argument("--precision", default=d.precision, help="fp32, bf16 or bf16-master")
+    p.add_argument("--microbatches", type=int, default=d.microbatches, help="gradient accumulation steps")
+    p.add_argument("--remat", default=d.remat, help="none, full, dots, dots_no_batch")
+    p.add_argument(
+        "--nonfinite",
+        choices=["skip", "halt"],
+        default=d.nonfinite,
+        help="a step with NaN/Inf is skipped or stops the run",
+    )
+    p.add_argument(
+        "--checkpoint-dir", default=None, help="save checkpoints here and resume from the newest one (under any layout)"
+    )
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
 
 
 def _plan_arguments(p: argparse.ArgumentParser, default_layout: str) -> None:
@@ -138,6 +152,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json_log=args.json_log,
                 sample_tokens=args.sample_tokens,
                 prompt=args.prompt,
+                precision=args.precision,
+                microbatches=args.microbatches,
+                remat=args.remat,
+                nonfinite=args.nonfinite,
+                checkpoint_dir=args.checkpoint_dir,
+                checkpoint_every=args.checkpoint_every,
+                keep_checkpoints=args.keep_checkpoints,
             )
             train(cfg)
         elif args.command in ("dryrun", "inspect"):

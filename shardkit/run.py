@@ -18,11 +18,11 @@ import jax
 import numpy as np
 import optax
 
+from shardkit.checkpoint import Checkpointer
 from shardkit.data import TextDataset, load_text
 from shardkit.errors import ShardkitError
 from shardkit.generate import generate
-from shardkit.model import from_nnx
-from shardkit.models.gpt import GPT, GPTConfig
+from shardkit.models.gpt import GPTConfig
 from shardkit.train import Trainer
 
 
@@ -43,6 +43,13 @@ class TrainConfig:
     seed: int = 0
     data: str | None = None
     json_log: str | None = None
+    precision: str = "fp32"
+    microbatches: int = 1
+    remat: str = "none"
+    nonfinite: str = "skip"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
     sample_tokens: int = 200
     prompt: str = "def "
 
@@ -106,40 +113,64 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
         )
     text = load_text(cfg.data) if cfg.data else None
     dataset = TextDataset.from_bytes(text, cfg.seed) if text is not None else TextDataset.builtin(cfg.seed)
-    gpt_cfg = GPTConfig.preset(cfg.model, dropout=cfg.dropout)
+    gpt_cfg = GPTConfig.preset(cfg.model, dropout=cfg.dropout, remat=cfg.remat)
     if gpt_cfg.vocab < TextDataset.VOCAB:
         raise ShardkitError(f"--model {cfg.model} has vocab {gpt_cfg.vocab} < 256 byte tokens.")
     if cfg.seq > gpt_cfg.max_seq:
         raise ShardkitError(f"--seq {cfg.seq} exceeds the {cfg.model} model's max_seq={gpt_cfg.max_seq}.")
-    model = from_nnx(lambda rngs: GPT(gpt_cfg, rngs=rngs), name=f"GPT-{cfg.model}")
-    trainer = Trainer(model, OPTIMIZERS[cfg.optimizer](cfg), cfg.layout)
+    model = gpt_cfg.model(name=f"GPT-{cfg.model}")
+    trainer = Trainer(
+        model,
+        OPTIMIZERS[cfg.optimizer](cfg),
+        cfg.layout,
+        precision=cfg.precision,
+        microbatches=cfg.microbatches,
+        nonfinite=cfg.nonfinite,
+    )
+    ckpt = (
+        Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
+        if cfg.checkpoint_dir
+        else None
+    )
     devices = trainer.mesh.devices.size
     print(
         f"shardkit: {devices} {jax.devices()[0].platform} device(s), layout {trainer.layout.spec()}, "
-        f"model GPT-{cfg.model} ({gpt_cfg.num_params() / 1e6:.2f}M parameters), "
+        f"model GPT-{cfg.model} ({gpt_cfg.num_params() / 1e6:.2f}M parameters), precision {cfg.precision}, "
         f"batch {cfg.batch} x seq {cfg.seq}, {len(dataset.tokens):,} tokens of text",
         file=out,
     )
     print(trainer.format_sharding_table(), file=out)
 
-    state = trainer.init(cfg.seed)
+    first_step = 0
+    if ckpt is not None and ckpt.latest_step() is not None:
+        state, record = ckpt.restore(trainer)
+        first_step = record["data_position"]
+        print(
+            f"resumed from {cfg.checkpoint_dir} at step {first_step} (saved under layout {record['layout']})", file=out
+        )
+    else:
+        state = trainer.init(cfg.seed)
     bar = Progress(cfg.steps) if progress and jax.process_index() == 0 else None
     losses: list[float] = []
+    skipped: list[int] = []
     step_tokens = cfg.batch * cfg.seq
     timed_seconds, timed_steps = 0.0, 0
     with contextlib.ExitStack() as stack:
         log = None
         if cfg.json_log and jax.process_index() == 0:  # one writer, whatever the process count
-            log = stack.enter_context(pathlib.Path(cfg.json_log).open("w"))
-        for step in range(cfg.steps):
+            log = stack.enter_context(pathlib.Path(cfg.json_log).open("a" if first_step else "w"))
+        for step in range(first_step, cfg.steps):
             host_batch = dataset.batch(step, cfg.batch, cfg.seq, jax.process_index(), jax.process_count())
             batch = trainer.shard_batch(host_batch)
             start = time.perf_counter()
             state, metrics = trainer.step(state, batch)
             loss = float(metrics["loss"])  # waits for the step
             seconds = time.perf_counter() - start
-            if step > 0:  # step 0 includes the compile
+            if step > first_step:  # the first step includes the compile
                 timed_seconds, timed_steps = timed_seconds + seconds, timed_steps + 1
+            if "finite" in metrics and not bool(metrics["finite"]):
+                skipped.append(step + 1)
+                print(f"step {step + 1}: loss {loss}: non-finite, not applied", file=sys.stderr)
             losses.append(loss)
             tokens_per_s = step_tokens / seconds
             if log is not None:
@@ -154,6 +185,16 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
                 log.flush()
             if bar is not None:
                 bar.update(step + 1, loss, tokens_per_s)
+            if ckpt is not None:
+                # Periodic saves run in the background; data_position is the next batch to read.
+                ckpt.save(trainer, state, data_position=step + 1, force=step + 1 == cfg.steps)
+    if ckpt is not None:
+        if first_step >= cfg.steps:
+            print(f"checkpoint at step {first_step} already reaches --steps {cfg.steps}; nothing to train", file=out)
+        ckpt.close()
+        print(f"checkpoints in {cfg.checkpoint_dir}: steps {ckpt.steps()}", file=out)
+    if not losses:
+        return {"losses": [], "state": state, "trainer": trainer, "layout": trainer.layout.spec(), "devices": devices}
     mean_tps = step_tokens * timed_steps / timed_seconds if timed_steps else float("nan")
     head, tail = losses[: min(10, len(losses))], losses[-min(10, len(losses)) :]
     print(
@@ -175,6 +216,7 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
         "sample": sample,
         "layout": trainer.layout.spec(),
         "devices": devices,
+        "skipped_steps": skipped,
         "state": state,
         "trainer": trainer,
     }

@@ -79,6 +79,22 @@ def mse_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> tuple[j
     return jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2), jnp.asarray(batch["x"].shape[0], jnp.int32)
 
 
+class NonFiniteError(ShardkitError):
+    """A step produced a NaN/Inf loss or gradient and the policy was ``halt``.
+
+    Attributes:
+      state: the train state as it was before the step (nothing was applied).
+      step: the number of the step that failed (1-based: ``state.step + 1``).
+      parameter: path of the first parameter whose gradient was not finite, or None.
+    """
+
+    def __init__(self, message: str, state: TrainState, step: int, parameter: str | None):
+        super().__init__(message)
+        self.state, self.step, self.parameter = state, step, parameter
+
+
+NONFINITE_POLICIES = ("skip", "halt")
+
 NOT_AN_OPTIMIZER = """\
 optimizer must be an optax.GradientTransformation, got {got!r}.
 Fix: pass one, e.g. optax.adamw(3e-4) or optax.sgd(0.1, momentum=0.9).
@@ -100,6 +116,10 @@ class Trainer:
         of raising; :attr:`fallbacks` lists them.
       precision: ``"fp32"``, ``"bf16"`` (fp32 parameters, bf16 compute) or ``"bf16-master"``
         (bf16 parameters, fp32 master weights); see :mod:`shardkit.precision`.
+      nonfinite: what to do when a step's loss or gradients hold NaN/Inf: ``"skip"`` leaves the
+        state as it was and reports ``metrics["finite"] == False``; ``"halt"`` does the same and
+        raises :class:`NonFiniteError` naming the step and the first non-finite parameter;
+        None (default) applies the step whatever it holds.
       microbatches: split each batch into this many microbatches and accumulate their
         gradients inside the compiled step (``lax.scan``): the same update as the whole batch in
         one pass, with the activations of one microbatch alive at a time.
@@ -127,6 +147,7 @@ class Trainer:
         allow_replicate: bool = False,
         precision: str | Precision = "fp32",
         microbatches: int = 1,
+        nonfinite: str | None = None,
         devices: Sequence[jax.Device] | None = None,
     ) -> None:
         if not isinstance(optimizer, optax.GradientTransformation):
@@ -138,7 +159,10 @@ class Trainer:
             )
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ShardkitError(f"microbatches must be a positive integer, got {microbatches!r}.")
+        if nonfinite is not None and nonfinite not in NONFINITE_POLICIES:
+            raise ShardkitError(f"nonfinite={nonfinite!r}: choose 'skip', 'halt' or None.")
         devices = list(jax.devices() if devices is None else devices)
+        self.nonfinite = nonfinite
         self.precision = as_precision(precision)
         self.microbatches = microbatches
         self.model = model
@@ -282,7 +306,33 @@ class Trainer:
             new = state.replace(params=self.precision.cast_for_storage(updated), master=updated)
         else:
             new = state.replace(params=updated)
-        return new.replace(step=state.step + 1, opt_state=opt_state), metrics
+        new = new.replace(step=state.step + 1, opt_state=opt_state)
+        if self.nonfinite is not None:
+            finite_grads = jax.tree.map(lambda g: jnp.all(jnp.isfinite(g)), grads)
+            finite = jnp.isfinite(loss) & jnp.all(jnp.stack(jax.tree.leaves(finite_grads)))
+            new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)  # nothing applied
+            metrics |= {"finite": finite, "finite_grads": finite_grads}
+        return new, metrics
+
+    def lower(self, batch: Mapping[str, Any]) -> jax.stages.Lowered:
+        """The train step traced and lowered for batches shaped like ``batch`` (not compiled).
+
+        Its ``as_text()`` is the program before the backend's own rewrites (a CPU, say, turns
+        bf16 matmuls into f32 ones; the lowered program shows what was asked for).
+        """
+        self._check_microbatches(batch)
+        batch_shardings = named(self.batch_specs(batch), self.mesh)
+        abstract_batch = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k]) for k, v in batch.items()
+        }
+        jitted = jax.jit(
+            self._step_fn,
+            in_shardings=(self.state_shardings, batch_shardings),
+            out_shardings=(self.state_shardings, NamedSharding(self.mesh, PartitionSpec())),
+            donate_argnums=0,
+        )
+        with use_sharding(self.mesh, self.rules):
+            return jitted.lower(self.abstract_state(), abstract_batch)
 
     def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:
         """Compile (once per batch shape) the train step for batches shaped like ``batch``.
@@ -290,24 +340,9 @@ class Trainer:
         ``batch`` may hold arrays or ``jax.ShapeDtypeStruct``: nothing is allocated.
         """
         key = _batch_key(batch)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            self._check_microbatches(batch)
-            batch_shardings = named(self.batch_specs(batch), self.mesh)
-            abstract_batch = {
-                k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k]) for k, v in batch.items()
-            }
-            metrics_sharding = NamedSharding(self.mesh, PartitionSpec())
-            jitted = jax.jit(
-                self._step_fn,
-                in_shardings=(self.state_shardings, batch_shardings),
-                out_shardings=(self.state_shardings, metrics_sharding),
-                donate_argnums=0,
-            )
-            with use_sharding(self.mesh, self.rules):
-                compiled = jitted.lower(self.abstract_state(), abstract_batch).compile()
-            self._compiled[key] = compiled
-        return compiled
+        if key not in self._compiled:
+            self._compiled[key] = self.lower(batch).compile()
+        return self._compiled[key]
 
     def _check_microbatches(self, batch: Mapping[str, Any]) -> None:
         mesh_shape = dict(self.mesh.shape)
@@ -329,9 +364,28 @@ class Trainer:
           batch: global arrays from :meth:`shard_batch` (e.g. ``{"tokens": (B, T + 1) int32}``).
 
         Returns:
-          ``(new_state, {"loss", "grad_norm", "tokens"})``.
+          ``(new_state, {"loss", "grad_norm", "tokens"})`` (plus ``finite`` and ``finite_grads``
+          with a ``nonfinite`` policy).
+
+        Raises:
+          NonFiniteError: under ``nonfinite="halt"``, for a step with NaN/Inf.
         """
-        return self.compile(batch)(state, batch)
+        new_state, metrics = self.compile(batch)(state, batch)
+        if self.nonfinite == "halt" and not bool(metrics["finite"]):
+            step = int(new_state.step) + 1
+            bad = [path_str(p) for p, ok in jax.tree_util.tree_flatten_with_path(metrics["finite_grads"])[0] if not ok]
+            loss = float(metrics["loss"])
+            raise NonFiniteError(
+                f"Step {step}: loss {loss}"
+                + (f", first non-finite gradient: {bad[0]} ({len(bad)} parameters in all)" if bad else "")
+                + ". The step was not applied; the state in this error (.state) is the one before it. "
+                "Lower the learning rate, check the batch for bad values, or use nonfinite='skip' to "
+                "skip such steps.",
+                new_state,
+                step,
+                bad[0] if bad else None,
+            )
+        return new_state, metrics
 
     # -- explaining ---------------------------------------------------------------------------
     def report(self, batch: Mapping[str, Any]) -> Report:
