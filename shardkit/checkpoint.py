@@ -61,8 +61,18 @@ class Checkpointer:
         if self.directory.exists() and not self.directory.is_dir():
             raise ShardkitError(f"Checkpoint directory {self.directory} is a file; give a directory path.")
         self.every = every
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
+        self._opened: ocp.CheckpointManager | None = None
+
+    @property
+    def _manager(self) -> ocp.CheckpointManager:
+        # Opened on first use, and the directory made only by a save: restoring from a mistyped
+        # path must fail, not create an empty directory.
+        if self._opened is None:
+            if not self.directory.is_dir():
+                raise ShardkitError(f"Checkpoint directory {self.directory} does not exist; check the path.")
+            self._opened = ocp.CheckpointManager(self.directory, options=self._options)
+        return self._opened
 
     # -- saving ---------------------------------------------------------------------------
     def save(self, trainer: Trainer, state: TrainState, *, data_position: int, force: bool = False) -> bool:
@@ -77,6 +87,7 @@ class Checkpointer:
         step = int(state.step)
         if not force and (self.every == 0 or step % self.every):
             return False
+        self.directory.mkdir(parents=True, exist_ok=True)
         if step in self._manager.all_steps():
             return False  # already saved (e.g. the final step was also a periodic one)
         record = {
@@ -95,15 +106,19 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every started save is complete on disk."""
-        self._manager.wait_until_finished()
+        if self._opened is not None:
+            self._opened.wait_until_finished()
 
     def close(self) -> None:
-        self.wait()
-        self._manager.close()
+        if self._opened is not None:
+            self.wait()
+            self._opened.close()
 
     # -- restoring ------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first (partial saves never appear)."""
+        if not self.directory.is_dir():
+            return []
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
@@ -148,8 +163,7 @@ class Checkpointer:
         return restored, record
 
     def _check_step(self, step: int) -> None:
-        if not self.directory.is_dir():
-            raise ShardkitError(f"Checkpoint directory {self.directory} does not exist; check the path.")
+        self._manager  # noqa: B018 -- raises for a missing directory
         steps = self.steps()
         if step not in steps:
             raise ShardkitError(
