@@ -193,3 +193,26 @@ def test_errors_come_before_any_compile(monkeypatch):
     with pytest.raises(sk.ShardkitError):
         sk.Trainer(gpt(), optax.sgd(0.1), "data=3,fsdp=3")
     assert calls == []
+
+
+def test_training_settings_errors():
+    with pytest.raises(sk.ShardkitError, match="remat='sometimes'; choose one of none, full"):
+        sk.models.GPTConfig.preset("tiny", remat="sometimes")
+    with pytest.raises(sk.ShardkitError, match="Unknown precision 'fp8'; choose one of fp32, bf16, bf16-master"):
+        sk.Trainer(gpt(), optax.sgd(0.1), "data=8", precision="fp8")
+    with pytest.raises(sk.ShardkitError, match="microbatches must be a positive integer"):
+        sk.Trainer(gpt(), optax.sgd(0.1), "data=8", microbatches=0)
+    from shardkit.run import TrainConfig
+
+    with pytest.raises(sk.ShardkitError, match="--lr must be positive"):
+        TrainConfig(lr=0.0)
+    with pytest.raises(sk.ShardkitError, match="--optimizer 'lion' is not one of"):
+        TrainConfig(optimizer="lion")
+
+
+def test_data_errors():
+    ds = sk.TextDataset.from_bytes(b"short text")
+    with pytest.raises(sk.ShardkitError, match="too few for windows of seq_len"):
+        ds.batch(0, batch_size=2, seq_len=64)
+    with pytest.raises(sk.ShardkitError, match="does not divide over 3 processes"):
+        sk.TextDataset.builtin().batch(0, batch_size=8, seq_len=16, process_index=0, process_count=3)
