@@ -129,13 +129,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ins = sub.add_parser("inspect", help="per-parameter shardings, collectives, memory and warnings")
     _plan_arguments(ins, "data=2,fsdp=2,tensor=2")
     ins.set_defaults(model="tiny", seq=None)
+    lau = sub.add_parser("launch", help="start P processes of a command on this machine (jax.distributed)")
+    lau.add_argument("--nproc", type=int, required=True, help="number of processes")
+    lau.add_argument("--devices-per-proc", type=int, default=None, help="simulated CPU devices per process")
+    lau.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     args = parser.parse_args(argv)
 
     from shardkit.errors import ShardkitError
 
     try:
+        if args.command == "launch":
+            from shardkit.launch import launch
+
+            command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            return launch(command, args.nproc, args.devices_per_proc)
         if args.command == "train":
-            _use_simulated_devices_if_no_accelerator(args.devices)
+            from shardkit import distributed
+
+            if distributed.initialize() is None:  # joins the other processes when launched as several
+                _use_simulated_devices_if_no_accelerator(args.devices)
             from shardkit.run import TrainConfig, train
 
             cfg = TrainConfig(

@@ -97,7 +97,14 @@ class TextDataset:
         return cls.from_bytes(builtin_corpus(), seed)
 
     def batch(
-        self, step: int, batch_size: int, seq_len: int, process_index: int = 0, process_count: int = 1
+        self,
+        step: int,
+        batch_size: int,
+        seq_len: int,
+        process_index: int = 0,
+        process_count: int = 1,
+        *,
+        rows: slice | None = None,
     ) -> dict[str, np.ndarray]:
         """Rows of the global batch of ``step`` that belong to ``process_index``.
 
@@ -106,9 +113,11 @@ class TextDataset:
           batch_size: global batch size, divisible by ``process_count``.
           seq_len: tokens per row the model sees; rows hold ``seq_len + 1`` (inputs and targets).
           process_index, process_count: this process's slice of the global batch.
+          rows: the rows of the global batch to return (overrides the process split), e.g.
+            ``trainer.local_rows(batch_size)``.
 
         Returns:
-          ``{"tokens": (batch_size // process_count, seq_len + 1) int32}``.
+          ``{"tokens": (rows of this process, seq_len + 1) int32}``; only those rows are read.
         """
         if len(self.tokens) <= seq_len + 1:
             raise ShardkitError(
@@ -123,7 +132,7 @@ class TextDataset:
         rng = np.random.default_rng([self.seed, step])
         starts = rng.integers(0, len(self.tokens) - seq_len - 1, size=batch_size)
         per = batch_size // process_count
-        mine = starts[process_index * per : (process_index + 1) * per]
+        mine = starts[rows] if rows is not None else starts[process_index * per : (process_index + 1) * per]
         rows = np.stack([self.tokens[s : s + seq_len + 1] for s in mine]).astype(np.int32)
         return {"tokens": rows}
 

@@ -28,6 +28,8 @@ class Layout:
 
     Attributes:
       sizes: ordered ``(axis, size)`` pairs: the canonical axes first, then any custom ones.
+      across_hosts: the axes that span hosts (the slower network); every other axis stays
+        inside one host. Empty: devices in JAX's order, so the outermost axes span hosts.
 
     Example:
       >>> Layout.parse("data=2,fsdp=-1,tensor=2").resolve(8).spec()
@@ -35,6 +37,14 @@ class Layout:
     """
 
     sizes: tuple[tuple[str, int], ...]
+    across_hosts: tuple[str, ...] = ()
+
+    def spanning(self, *axes: str) -> Layout:
+        """This layout with ``axes`` spanning hosts, e.g. ``Layout.parse("data=2,fsdp=4").spanning("data")``."""
+        unknown = [a for a in axes if a not in self.axis_names]
+        if unknown:
+            raise ShardkitError(f"across_hosts names {unknown[0]!r}, not an axis of {self.spec()}.")
+        return dataclasses.replace(self, across_hosts=tuple(a for a in self.axis_names if a in axes))
 
     @classmethod
     def of(cls, **sizes: int) -> Layout:
@@ -60,16 +70,22 @@ class Layout:
     def parse(cls, text: str) -> Layout:
         """Parse ``"data=2,fsdp=-1,tensor=2"`` (spaces allowed; unnamed axes have size 1).
 
+        ``across_hosts=data`` (axes joined by ``+``) names the axes that span hosts.
+
         Raises:
           ShardkitError: on a malformed entry or an axis named twice.
         """
         if isinstance(text, Layout):
             return text
         sizes: dict[str, int] = {}
+        across: tuple[str, ...] = ()
         for part in (p.strip() for p in str(text).split(",")):
             if not part:
                 continue
             name, eq, value = (s.strip() for s in part.partition("="))
+            if name == "across_hosts":
+                across = tuple(a.strip() for a in value.split("+") if a.strip())
+                continue
             try:
                 size = int(value)
             except ValueError:
@@ -81,7 +97,8 @@ class Layout:
             if name in sizes:
                 raise ShardkitError(f"Layout {text!r} names axis {name!r} twice; name each axis once.")
             sizes[name] = size
-        return cls.of(**sizes)
+        layout = cls.of(**sizes)
+        return layout.spanning(*across) if across else layout
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -110,7 +127,8 @@ class Layout:
                     f"{known}, which does not divide {num_devices}. Choose sizes whose product "
                     f"divides {num_devices}."
                 )
-            return Layout(tuple((a, num_devices // known if s == -1 else s) for a, s in self.sizes))
+            filled = tuple((a, num_devices // known if s == -1 else s) for a, s in self.sizes)
+            return dataclasses.replace(self, sizes=filled)
         if known != num_devices:
             raise ShardkitError(
                 f"Layout {self.spec()} needs {known} devices but {num_devices} are available. "
@@ -123,6 +141,8 @@ class Layout:
     def spec(self) -> str:
         """The layout as a ``--layout`` string, omitting axes of size 1."""
         parts = [f"{a}={s}" for a, s in self.sizes if s != 1]
+        if self.across_hosts:
+            parts.append("across_hosts=" + "+".join(self.across_hosts))
         return ",".join(parts) if parts else "data=1"
 
     def __str__(self) -> str:
@@ -142,12 +162,38 @@ class Layout:
         devices = list(jax.devices() if devices is None else devices)
         layout = self.resolve(len(devices))
         shape = tuple(s for _, s in layout.sizes)
-        if devices and devices[0].platform != "cpu":
+        if layout.across_hosts:
+            device_array = _hybrid_devices(layout, devices)
+        elif devices and devices[0].platform != "cpu":
             # On real hardware let JAX order devices by the physical topology (NVLink, ICI).
             device_array = mesh_utils.create_device_mesh(shape, devices)
         else:
             device_array = np.asarray(devices, dtype=object).reshape(shape)
         return Mesh(device_array, layout.axis_names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def _hybrid_devices(layout: Layout, devices: list[jax.Device]) -> np.ndarray:
+    """Devices arranged so the ``across_hosts`` axes step between hosts and the others never do."""
+    hosts = sorted({d.process_index for d in devices})
+    across = math.prod(s for a, s in layout.sizes if a in layout.across_hosts)
+    if across != len(hosts):
+        raise ShardkitError(
+            f"Layout {layout.spec()} puts {'x'.join(layout.across_hosts)}={across} across hosts, but the devices "
+            f"come from {len(hosts)} host process(es). Make the across-host axes multiply to {len(hosts)}."
+        )
+    dcn = [s if a in layout.across_hosts else 1 for a, s in layout.sizes]
+    ici = [1 if a in layout.across_hosts else s for a, s in layout.sizes]
+    per_host = [[d for d in devices if d.process_index == h] for h in hosts]
+    if any(len(group) != math.prod(ici) for group in per_host):
+        raise ShardkitError(
+            f"Layout {layout.spec()} keeps {math.prod(ici)} devices inside each host, but the hosts have "
+            f"{sorted({len(g) for g in per_host})} devices each."
+        )
+    # mesh[i] = host block (dcn index) x device within the host (ici index), axis by axis.
+    blocks = np.empty(dcn, dtype=object)
+    for flat, group in enumerate(per_host):
+        blocks[np.unravel_index(flat, dcn)] = np.asarray(group, dtype=object).reshape(ici)
+    return np.block(blocks.tolist()) if len(dcn) > 1 else np.concatenate(list(blocks))
 
 
 def _example_fill(layout: Layout) -> str:

@@ -79,6 +79,7 @@ class CollectiveStat:
       payload_bytes: bytes of the full array per execution (for a reduce-scatter: its input).
       moved_bytes: bytes sent per device per step (ring formula x count).
       lowered_as: how the backend spelled it, when different from ``kind``.
+      crosses_hosts: its replica groups hold devices of several processes (the slow network).
     """
 
     kind: str
@@ -90,6 +91,7 @@ class CollectiveStat:
     payload_bytes: int
     moved_bytes: float
     lowered_as: str = ""
+    crosses_hosts: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,10 +208,8 @@ class Report:
         ]
         for c in sorted(self.collectives, key=lambda c: -c.moved_bytes):
             kind = c.kind + ("*" if c.lowered_as else "")
-            lines.append(
-                f"{kind:16s} {'+'.join(c.axes) or '-':16s} {c.direction[:3]:4s} {c.count:5d} "
-                f"{c.moved_bytes / 1e6:10.3f}  {c.op}"
-            )
+            axes = ("+".join(c.axes) or "-") + (" [hosts]" if c.crosses_hosts else "")
+            lines.append(f"{kind:16s} {axes:16s} {c.direction[:3]:4s} {c.count:5d} {c.moved_bytes / 1e6:10.3f}  {c.op}")
         if any(c.lowered_as for c in self.collectives):
             lines.append(f"* lowered on {self.backend} as all-reduce + dynamic-slice; GPU backends emit reduce-scatter")
         m = self.memory
@@ -279,6 +279,7 @@ def collective_stats(
     """
     sliced, stacked = _sliced_results(text)
     mesh_shape = dict(mesh.shape)
+    host_of = [d.process_index for d in mesh.devices.flat]
     specs = (
         jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)) if param_specs else []
     )
@@ -314,14 +315,24 @@ def collective_stats(
         ):
             kind, lowered = "reduce-scatter", "all-reduce+dynamic-slice"
         payload = c.payload_bytes * (n if c.kind == "reduce-scatter" else 1)
-        groups[(kind, axes, op, direction, n, lowered)].append((c.executions, payload))
+        crosses = any(len({host_of[i] for i in g if i < len(host_of)}) > 1 for g in c.groups)
+        groups[(kind, axes, op, direction, n, lowered, crosses)].append((c.executions, payload))
     stats = []
-    for (kind, axes, op, direction, n, lowered), items in groups.items():
+    for (kind, axes, op, direction, n, lowered, crosses), items in groups.items():
         count = sum(e for e, _ in items)
         total = sum(e * p for e, p in items)
         stats.append(
             CollectiveStat(
-                kind, axes, op, direction, count, n, total // max(count, 1), moved_bytes(kind, total, n), lowered
+                kind,
+                axes,
+                op,
+                direction,
+                count,
+                n,
+                total // max(count, 1),
+                moved_bytes(kind, total, n),
+                lowered,
+                crosses,
             )
         )
     return sorted(stats, key=lambda c: (c.kind, c.axes, c.op))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 import time
@@ -107,6 +108,8 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
     Returns:
       ``{"losses", "first_loss", "last_loss", "tokens_per_s", "sample", "layout", "devices"}``.
     """
+    if jax.process_index() != 0:  # several processes, one program: process 0 speaks for all
+        out = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the run
     if cfg.model not in GPTConfig.preset_names():
         raise ShardkitError(
             f"--model {cfg.model!r} is not a preset; choose one of {', '.join(GPTConfig.preset_names())}."
@@ -141,6 +144,7 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
     )
     print(trainer.format_sharding_table(), file=out)
 
+    rows = trainer.local_rows(cfg.batch)
     first_step = 0
     if ckpt is not None and ckpt.latest_step() is not None:
         state, record = ckpt.restore(trainer)
@@ -160,7 +164,7 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
         if cfg.json_log and jax.process_index() == 0:  # one writer, whatever the process count
             log = stack.enter_context(pathlib.Path(cfg.json_log).open("a" if first_step else "w"))
         for step in range(first_step, cfg.steps):
-            host_batch = dataset.batch(step, cfg.batch, cfg.seq, jax.process_index(), jax.process_count())
+            host_batch = dataset.batch(step, cfg.batch, cfg.seq, rows=rows)  # this process's rows only
             batch = trainer.shard_batch(host_batch)
             start = time.perf_counter()
             state, metrics = trainer.step(state, batch)
@@ -170,7 +174,7 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
                 timed_seconds, timed_steps = timed_seconds + seconds, timed_steps + 1
             if "finite" in metrics and not bool(metrics["finite"]):
                 skipped.append(step + 1)
-                print(f"step {step + 1}: loss {loss}: non-finite, not applied", file=sys.stderr)
+                print(f"step {step + 1}: loss {loss}: non-finite, not applied", file=out)
             losses.append(loss)
             tokens_per_s = step_tokens / seconds
             if log is not None:

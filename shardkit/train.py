@@ -240,6 +240,28 @@ class Trainer:
             specs[name] = resolve(names, shape, self.rules, mesh_shape, what=f"batch[{name!r}]")
         return specs
 
+    def local_rows(self, batch_size: int) -> slice:
+        """The rows of a global batch that this process's devices hold (contiguous).
+
+        Each process reads only these rows of every global batch and :meth:`shard_batch`
+        assembles the global arrays without moving data between hosts.
+        """
+        spec = self.batch_specs({"tokens": jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)})["tokens"]
+        sharding = NamedSharding(self.mesh, spec)
+        starts_stops = {
+            (idx[0].start or 0, batch_size if idx[0].stop is None else idx[0].stop)
+            for idx in sharding.addressable_devices_indices_map((batch_size, 1)).values()
+        }
+        start, stop = min(a for a, _ in starts_stops), max(b for _, b in starts_stops)
+        covered = sum(b - a for a, b in starts_stops)
+        if covered != stop - start or (stop - start) * jax.process_count() != batch_size:
+            raise ShardkitError(
+                f"With layout {self.layout.spec()} this process's devices hold rows {sorted(starts_stops)} of the "
+                f"batch, not one contiguous share of it. Put the axes that span hosts first in the batch axes "
+                "(e.g. across_hosts=data)."
+            )
+        return slice(start, stop)
+
     def shard_batch(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
         """Host-local arrays of one process -> global arrays sharded over the mesh.
 

@@ -1,0 +1,183 @@
+"""Several processes, one program: JAX's multi-controller runtime (``jax.distributed``).
+
+Each process runs the same script; ``initialize`` connects it to the others through JAX's
+coordinator (NCCL between GPUs, gloo between CPU processes). Where the process count, rank and
+coordinator come from, in order:
+
+1. explicit arguments;
+2. shardkit's launcher variables ``SHARDKIT_COORDINATOR``, ``SHARDKIT_NUM_PROCESSES``,
+   ``SHARDKIT_PROCESS_ID`` (and ``SHARDKIT_LOCAL_DEVICES`` for simulated CPU devices);
+3. JAX's own ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``;
+4. a SLURM job step or an Open MPI launch: JAX's own cluster detection fills everything in.
+
+Example (one line per process; ``shardkit launch`` does this for you)::
+
+    SHARDKIT_COORDINATOR=127.0.0.1:12355 SHARDKIT_NUM_PROCESSES=2 SHARDKIT_PROCESS_ID=0 \
+        python train.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from collections.abc import Mapping
+
+import jax
+from jax._src import distributed as jax_distributed
+from jax._src import xla_bridge
+
+from shardkit.errors import ShardkitError
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """Where this process sits: ``source`` names where the values came from."""
+
+    source: str
+    coordinator: str | None
+    num_processes: int | None
+    process_id: int | None
+    local_devices: int | None = None
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ShardkitError(f"Environment variable {name}={value!r} must be an integer.") from None
+
+
+def detect(env: Mapping[str, str] | None = None) -> ClusterSpec | None:
+    """The cluster this process was launched into, or None for a single process."""
+    env = os.environ if env is None else env
+    for prefix in ("SHARDKIT", "JAX"):
+        count = _int(env, f"{prefix}_NUM_PROCESSES")
+        if count is not None:
+            return ClusterSpec(
+                source=f"{prefix}_* variables",
+                coordinator=env.get(f"{prefix}_COORDINATOR") or env.get(f"{prefix}_COORDINATOR_ADDRESS"),
+                num_processes=count,
+                process_id=_int(env, f"{prefix}_PROCESS_ID"),
+                local_devices=_int(env, "SHARDKIT_LOCAL_DEVICES"),
+            )
+    if _int(env, "SLURM_NTASKS") and env.get("SLURM_STEP_NODELIST") and _int(env, "SLURM_NTASKS") > 1:
+        return ClusterSpec("SLURM", None, _int(env, "SLURM_NTASKS"), _int(env, "SLURM_PROCID"))
+    if _int(env, "OMPI_COMM_WORLD_SIZE") and _int(env, "OMPI_COMM_WORLD_SIZE") > 1:
+        return ClusterSpec("Open MPI", None, _int(env, "OMPI_COMM_WORLD_SIZE"), _int(env, "OMPI_COMM_WORLD_RANK"))
+    return None
+
+
+UNREACHABLE = """\
+Process {pid} of {n} could not reach the coordinator at {address} within {timeout} s ({error}).
+Fix: start process 0 (it hosts the coordinator) and check that {address} is reachable from this
+host (address, port, firewall); on SLURM use `srun`, not plain `python`, so every task starts.
+"""
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_devices: int | None = None,
+    timeout_s: int = 120,
+    heartbeat_timeout_s: int = 30,
+) -> ClusterSpec | None:
+    """Join the other processes of this job (a no-op for a single process; safe to call twice).
+
+    Args:
+      coordinator_address: ``host:port`` of process 0's coordinator.
+      num_processes: how many processes the job has.
+      process_id: this process's rank, 0-based.
+      local_devices: simulated CPU devices in this process (CPU only).
+      timeout_s: give up after this many seconds without the coordinator.
+      heartbeat_timeout_s: the runtime stops every process this long after one stops answering.
+
+    Returns:
+      What was detected and used, or None when this is a single process.
+
+    Raises:
+      ShardkitError: JAX already started its backend, inconsistent values, or the
+        coordinator could not be reached in time.
+    """
+    spec = detect()
+    if coordinator_address or num_processes or process_id is not None:
+        spec = ClusterSpec("arguments", coordinator_address, num_processes, process_id, local_devices)
+    elif spec is not None and local_devices is not None:
+        spec = dataclasses.replace(spec, local_devices=local_devices)
+    if spec is None or spec.num_processes == 1:
+        return None
+    if jax_distributed.global_state.client is not None:  # already joined: the second call is harmless
+        if jax.process_count() != spec.num_processes or (
+            spec.process_id is not None and jax.process_index() != spec.process_id
+        ):
+            raise ShardkitError(
+                f"jax.distributed is already initialised as process {jax.process_index()} of "
+                f"{jax.process_count()}, not {spec.process_id} of {spec.num_processes}. Call initialize once."
+            )
+        return spec
+    if xla_bridge.backends_are_initialized():
+        raise ShardkitError(
+            "shardkit.distributed.initialize() must run before JAX starts its backend (before any array or "
+            "jax.devices()). Call it first thing in the script."
+        )
+    if spec.num_processes is not None and spec.process_id is not None and not 0 <= spec.process_id < spec.num_processes:
+        raise ShardkitError(f"Process id {spec.process_id} is outside 0..{spec.num_processes - 1}.")
+    if spec.coordinator and spec.process_id not in (0, None):
+        # JAX aborts the whole process when the coordinator never answers; probe it first so
+        # the user gets an error they can read.
+        _wait_for_coordinator(spec, timeout_s)
+    # Only CPU collectives read this: gloo lets CPU processes all-reduce across processes.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if spec.local_devices:
+        jax.config.update("jax_num_cpu_devices", spec.local_devices)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=spec.coordinator,
+            num_processes=spec.num_processes,
+            process_id=spec.process_id,
+            initialization_timeout=timeout_s,
+            # A dead peer is noticed within this many seconds (JAX's default is 100).
+            heartbeat_timeout_seconds=heartbeat_timeout_s,
+        )
+    except Exception as e:  # JAX raises several types for the same failure
+        raise ShardkitError(
+            UNREACHABLE.format(
+                pid=spec.process_id,
+                n=spec.num_processes,
+                address=spec.coordinator,
+                timeout=timeout_s,
+                error=str(e).splitlines()[0][:200],
+            )
+        ) from e
+    return spec
+
+
+def _wait_for_coordinator(spec: ClusterSpec, timeout_s: float) -> None:
+    host, _, port = (spec.coordinator or "").rpartition(":")
+    if not host or not port.isdigit():
+        raise ShardkitError(f"Coordinator address {spec.coordinator!r} must be host:port, e.g. 10.0.0.1:12355.")
+    deadline = time.monotonic() + timeout_s
+    last: OSError | None = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(0.2)
+    raise ShardkitError(
+        UNREACHABLE.format(
+            pid=spec.process_id, n=spec.num_processes, address=spec.coordinator, timeout=timeout_s, error=last
+        )
+    )
+
+
+def is_primary() -> bool:
+    """True on the process that prints and writes logs (process 0)."""
+    return jax.process_index() == 0
