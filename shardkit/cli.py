@@ -129,6 +129,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ins = sub.add_parser("inspect", help="per-parameter shardings, collectives, memory and warnings")
     _plan_arguments(ins, "data=2,fsdp=2,tensor=2")
     ins.set_defaults(model="tiny", seq=None)
+    pln = sub.add_parser("plan", help="rank layouts for a model on N devices of some hardware")
+    pln.add_argument("--model", default="llama2-7b", help="GPT preset")
+    pln.add_argument("--devices", type=int, required=True)
+    pln.add_argument("--hardware", default="h100", help="h100, h200, a100, tpu-v5p, tpu-v5e, or a JSON file")
+    pln.add_argument("--batch", type=int, required=True, help="global batch (sequences per step)")
+    pln.add_argument("--seq", type=int, required=True)
+    pln.add_argument("--precision", default="bf16-master")
+    pln.add_argument("--remat", default="none,full", help="remat policies to try, cheapest first")
+    pln.add_argument("--microbatches", default="1,2,4,8,16", help="microbatch counts to try, fewest first")
+    pln.add_argument("--tensor", default=None, help="tensor sizes to consider (default: powers of 2 in a node)")
+    pln.add_argument("--json", action="store_true")
     lau = sub.add_parser("launch", help="start P processes of a command on this machine (jax.distributed)")
     lau.add_argument("--nproc", type=int, required=True, help="number of processes")
     lau.add_argument("--devices-per-proc", type=int, default=None, help="simulated CPU devices per process")
@@ -173,6 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 keep_checkpoints=args.keep_checkpoints,
             )
             train(cfg)
+        elif args.command == "plan":
+            from shardkit.plan import run_cli as plan_cli
+
+            _simulate_exactly(args.devices)
+            plan_cli(args)
         elif args.command in ("dryrun", "inspect"):
             cfg = _dryrun_config(args)
             _simulate_exactly(cfg.num_devices())

@@ -1,0 +1,419 @@
+"""Plan: choose a layout from what the compiler produces and a model of the hardware.
+
+For a model, a global batch and a sequence length on N devices, the planner enumerates the
+factorisations of N over ``data x fsdp x tensor`` (tensor only inside a node, and only where the
+heads divide), and for each tries remat policies and microbatch counts in order of cost until
+one fits: every candidate is a dry run (compiled for N simulated devices, cached on disk). The
+step time is predicted from the compiled matmul FLOPs at the device's peak and from the bytes
+each mesh axis moves at the bandwidth of the link that axis crosses (NVLink/ICI inside a node,
+InfiniBand/DCN between nodes), with and without overlap of compute and communication.
+
+Pipeline, expert and sequence axes join the search once those layouts exist (issue 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax._src import xla_bridge
+
+from shardkit.dryrun import DryRunConfig, can_run_here
+from shardkit.errors import ShardkitError
+from shardkit.hardware import Hardware, get_hardware
+from shardkit.mesh import MESH_AXES
+from shardkit.models.gpt import GPTConfig
+from shardkit.precision import as_precision
+
+STATE_BYTES_PER_PARAM = {"fp32": 12, "bf16": 12, "bf16-master": 14}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """The search space. ``tensor=None``: powers of two up to the node size that divide the heads."""
+
+    precision: str = "bf16-master"
+    tensor: tuple[int, ...] | None = None
+    remat: tuple[str, ...] = ("none", "full")
+    microbatches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    headroom: float = 0.9  # fraction of device memory a plan may use
+
+
+@dataclasses.dataclass
+class Plan:
+    """One candidate: a layout with the remat and microbatches that first fit, and its predictions."""
+
+    layout: str
+    microbatches: int
+    remat: str
+    fits: bool
+    memory_per_device: float
+    bytes_by_axes: dict[str, float]
+    compute_seconds: float | None
+    comm_seconds: float | None
+    predicted_step_seconds: float | None  # compute then communication, no overlap
+    predicted_step_seconds_overlap: float | None  # perfect overlap: the larger of the two
+    predicted_mfu: float | None
+    note: str = ""
+
+    def cli_flags(self) -> str:
+        return f"--layout {self.layout} --microbatches {self.microbatches} --remat {self.remat}"
+
+
+def axis_links(layout_shape: dict[str, int], hw: Hardware) -> dict[str, str]:
+    """``"intra"`` or ``"inter"`` for each mesh axis: does stepping along it leave the node?
+
+    Devices are numbered node by node and the mesh is laid out in canonical axis order, so an
+    axis stays inside a node when its stride times its size fits in (and divides) a node.
+    """
+    links, stride = {}, 1
+    for axis in reversed([a for a in layout_shape]):
+        size = layout_shape[axis]
+        span = stride * size
+        inside = span <= hw.devices_per_node and hw.devices_per_node % span == 0
+        links[axis] = "intra" if inside or size == 1 else "inter"
+        stride = span
+    return links
+
+
+def estimate(result: dict[str, Any], hw: Hardware, compute_dtype: str) -> dict[str, float]:
+    """Predicted seconds of one step from a dry run's report dict on hardware ``hw``.
+
+    Args:
+      result: :meth:`shardkit.report.Report.to_dict` output (a dry run).
+      hw: the hardware profile.
+      compute_dtype: dtype of the matmuls (``bfloat16`` or ``float32``).
+
+    Returns:
+      ``compute_seconds``, ``comm_seconds``, ``step_seconds`` (no overlap), ``step_seconds_overlap``,
+      ``mfu`` (model FLOPs over the whole machine's peak in the no-overlap step time).
+    """
+    links = axis_links(dict(_layout_shape(result["layout"])), hw)
+    peak = hw.peak_flops(compute_dtype)
+    compute = result["flops_per_device"] / peak
+    comm = 0.0
+    for axes, moved in result["bytes_by_axes"].items():
+        if axes == "-" or not moved:
+            continue
+        slowest = "inter" if any(links.get(a, "intra") == "inter" for a in axes.split("+")) else "intra"
+        comm += moved / (hw.inter_node_bandwidth if slowest == "inter" else hw.intra_node_bandwidth)
+    step = compute + comm
+    model_flops = result.get("model_flops_per_step") or result["flops_per_device"] * result["devices"]
+    return {
+        "compute_seconds": compute,
+        "comm_seconds": comm,
+        "step_seconds": step,
+        "step_seconds_overlap": max(compute, comm),
+        "mfu": model_flops / (result["devices"] * peak * step),
+    }
+
+
+def _layout_shape(spec: str) -> dict[str, int]:
+    sizes = {a: 1 for a in MESH_AXES}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        if name in sizes:
+            sizes[name] = int(value)
+    return sizes
+
+
+def candidate_layouts(
+    cfg: GPTConfig, devices: int, batch: int, hw: Hardware, options: PlanOptions
+) -> list[dict[str, int]]:
+    """Every ``data x fsdp x tensor`` split of the devices that the model and batch allow."""
+    tensors = options.tensor or tuple(t for t in (1, 2, 4, 8, 16) if t <= hw.devices_per_node)
+    out = []
+    for t in tensors:
+        if devices % t or t > hw.devices_per_node:
+            continue
+        if cfg.n_kv_heads % t or cfg.n_heads % t or cfg.mlp_dim % t or cfg.vocab % t:
+            continue
+        rest = devices // t
+        for f in (d for d in range(1, rest + 1) if rest % d == 0):
+            d = rest // f
+            if cfg.dim % f or batch % (d * f):
+                continue
+            out.append({"data": d, "fsdp": f, "tensor": t})
+    return out
+
+
+def _spec(shape: dict[str, int]) -> str:
+    return ",".join(f"{a}={s}" for a, s in shape.items() if s > 1) or "data=1"
+
+
+class _Cache:
+    """Dry-run results on disk, keyed by everything that changes the compiled program."""
+
+    def __init__(self, directory: str | pathlib.Path | None):
+        root = directory or os.environ.get("SHARDKIT_CACHE") or pathlib.Path.home() / ".cache" / "shardkit"
+        self.path = pathlib.Path(root) / "dryruns.json"
+        try:
+            self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
+        except (OSError, json.JSONDecodeError):
+            self.data = {}  # a damaged cache is only a slower plan
+
+    @staticmethod
+    def key(cfg: DryRunConfig) -> str:
+        raw = json.dumps([dataclasses.asdict(cfg), jax.__version__], sort_keys=True)
+        return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+    def get(self, cfg: DryRunConfig) -> dict[str, Any] | None:
+        return self.data.get(self.key(cfg))
+
+    def put(self, cfg: DryRunConfig, result: dict[str, Any]) -> None:
+        keep = {
+            k: result[k]
+            for k in (
+                "layout",
+                "devices",
+                "memory",
+                "flops_per_device",
+                "bytes_by_axes",
+                "model_flops_per_step",
+                "compile_seconds",
+            )
+        }
+        self.data[self.key(cfg)] = keep
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data))
+        tmp.replace(self.path)  # atomic: a killed plan never leaves a half-written cache
+
+
+def plan(
+    model: str,
+    devices: int,
+    hardware: str | Hardware,
+    batch: int,
+    seq: int,
+    options: PlanOptions | None = None,
+    *,
+    cache_dir: str | pathlib.Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Rank the layouts of ``model`` on ``devices`` devices of ``hardware``.
+
+    Runs in this process when it has exactly ``devices`` simulated CPU devices (or JAX has not
+    started yet), otherwise in a subprocess.
+
+    Returns:
+      ``{"best": layout string or None, "best_flags": CLI flags, "plans": [plan dicts, ranked],
+      "hardware", "model", "devices", "batch", "seq"}``.
+
+    Example:
+      >>> result = plan("tiny", 8, "h100", batch=16, seq=64)   # doctest: +SKIP
+      >>> result["best"]                                         # doctest: +SKIP
+      'data=8'
+    """
+    options = options or PlanOptions()
+    hw = get_hardware(hardware)
+    if not can_run_here(devices):
+        return _plan_in_subprocess(model, devices, hw, batch, seq, options, cache_dir)
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", devices)
+    from shardkit.dryrun import _in_process
+
+    cfg = GPTConfig.preset(model)
+    precision = as_precision(options.precision)
+    compute_dtype = jax.numpy.dtype(precision.compute).name
+    budget = options.headroom * hw.memory_bytes
+    state_per_param = STATE_BYTES_PER_PARAM[precision.name]
+    cache = _Cache(cache_dir)
+    plans: list[Plan] = []
+    for shape in candidate_layouts(cfg, devices, batch, hw, options):
+        spec = _spec(shape)
+        state = cfg.num_params() * state_per_param / (shape["fsdp"] * shape["tensor"])
+        if state > budget:
+            plans.append(
+                Plan(
+                    spec,
+                    1,
+                    options.remat[0],
+                    False,
+                    state,
+                    {},
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    "model state alone exceeds the memory budget (not compiled)",
+                )
+            )
+            continue
+        chosen = None
+        for remat in options.remat:
+            for mb in options.microbatches:
+                if batch % (shape["data"] * shape["fsdp"] * mb):
+                    continue
+                dr = DryRunConfig(
+                    model=model,
+                    layout=spec,
+                    batch=batch,
+                    seq=seq,
+                    precision=precision.name,
+                    microbatches=mb,
+                    remat=remat,
+                )
+                result = cache.get(dr)
+                if result is None:
+                    if progress:
+                        progress(f"dry run {spec} remat={remat} microbatches={mb}")
+                    result = _in_process(dr)
+                    cache.put(dr, result)
+                chosen = (remat, mb, result)
+                if result["memory"]["total"] <= budget:
+                    break
+            if chosen and chosen[2]["memory"]["total"] <= budget:
+                break
+        if chosen is None:
+            continue
+        remat, mb, result = chosen
+        t = estimate(result, hw, compute_dtype)
+        plans.append(
+            Plan(
+                spec,
+                mb,
+                remat,
+                result["memory"]["total"] <= budget,
+                result["memory"]["total"],
+                result["bytes_by_axes"],
+                t["compute_seconds"],
+                t["comm_seconds"],
+                t["step_seconds"],
+                t["step_seconds_overlap"],
+                t["mfu"],
+            )
+        )
+    if not plans:
+        raise ShardkitError(
+            f"No layout of {model} divides over {devices} devices with batch {batch}: choose a batch divisible by "
+            "the device count, or another device count."
+        )
+    plans.sort(
+        key=lambda p: (not p.fits, p.predicted_step_seconds if p.predicted_step_seconds is not None else math.inf)
+    )
+    best = plans[0] if plans[0].fits else None
+    return {
+        "model": model,
+        "devices": devices,
+        "hardware": hw.name,
+        "batch": batch,
+        "seq": seq,
+        "precision": precision.name,
+        "best": best.layout if best else None,
+        "best_flags": best.cli_flags() + f" --precision {precision.name}" if best else None,
+        "plans": [dataclasses.asdict(p) for p in plans],
+    }
+
+
+def _plan_in_subprocess(
+    model: str, devices: int, hw: Hardware, batch: int, seq: int, options: PlanOptions, cache_dir: Any
+) -> dict[str, Any]:
+    hw_file = None
+    if hw.name not in ("h100", "h200", "a100", "tpu-v5p", "tpu-v5e"):
+        import tempfile
+
+        hw_file = pathlib.Path(tempfile.mkdtemp()) / f"{hw.name}.json"
+        hw_file.write_text(json.dumps({k: v for k, v in dataclasses.asdict(hw).items() if k != "name"}))
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardkit.cli",
+        "plan",
+        "--model",
+        model,
+        "--devices",
+        str(devices),
+        "--hardware",
+        str(hw_file or hw.name),
+        "--batch",
+        str(batch),
+        "--seq",
+        str(seq),
+        "--precision",
+        options.precision,
+        "--remat",
+        ",".join(options.remat),
+        "--microbatches",
+        ",".join(map(str, options.microbatches)),
+        "--json",
+    ]
+    if options.tensor:
+        cmd += ["--tensor", ",".join(map(str, options.tensor))]
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    if cache_dir:
+        env["SHARDKIT_CACHE"] = str(cache_dir)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise ShardkitError(f"Planning in a subprocess failed:\n{proc.stderr.strip()[-3000:]}")
+    return json.loads(proc.stdout)
+
+
+def format_plans(result: dict[str, Any], top: int = 15) -> str:
+    """The ranked plans as a table, and the best plan's flags."""
+    lines = [
+        f"{result['model']} on {result['devices']} x {result['hardware']}, batch {result['batch']} x seq "
+        f"{result['seq']}, {result['precision']}",
+        f"{'rank':>4s}  {'layout':28s} {'mb':>3s} {'remat':6s} {'GB/dev':>7s} {'fits':5s} {'step s':>8s} "
+        f"{'overlap s':>9s} {'MFU':>5s}  bytes per axis (MB)",
+    ]
+    for i, p in enumerate(result["plans"][:top], 1):
+        step = f"{p['predicted_step_seconds']:8.3f}" if p["predicted_step_seconds"] is not None else f"{'-':>8s}"
+        over = (
+            f"{p['predicted_step_seconds_overlap']:9.3f}"
+            if p["predicted_step_seconds_overlap"] is not None
+            else f"{'-':>9s}"
+        )
+        mfu = f"{p['predicted_mfu']:5.2f}" if p["predicted_mfu"] is not None else f"{'-':>5s}"
+        axes = ", ".join(f"{a} {b / 1e6:.1f}" for a, b in sorted(p["bytes_by_axes"].items()) if b) or p["note"]
+        lines.append(
+            f"{i:4d}  {p['layout']:28s} {p['microbatches']:3d} {p['remat']:6s} {p['memory_per_device'] / 1e9:7.2f} "
+            f"{'yes' if p['fits'] else 'no':5s} {step} {over} {mfu}  {axes}"
+        )
+    if result["best"]:
+        lines.append(f"best: --layout {result['best']}   (shardkit train {result['best_flags']})")
+    else:
+        lines.append("no plan fits in memory: more devices, a smaller batch, or more microbatches")
+    return "\n".join(lines)
+
+
+def parse_ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ShardkitError(f"Expected comma-separated integers, got {text!r}.") from None
+
+
+def options_from(precision: str, remat: str, microbatches: str, tensor: str | None) -> PlanOptions:
+    return PlanOptions(
+        precision=precision,
+        remat=tuple(r for r in remat.split(",") if r),
+        microbatches=parse_ints(microbatches),
+        tensor=parse_ints(tensor) if tensor else None,
+    )
+
+
+def run_cli(args: Any) -> None:
+    """``shardkit plan``: the ranked table, or its JSON."""
+    options = options_from(args.precision, args.remat, args.microbatches, args.tensor)
+    result = plan(
+        args.model,
+        args.devices,
+        args.hardware,
+        args.batch,
+        args.seq,
+        options,
+        progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True),
+    )
+    print(json.dumps(result) if args.json else format_plans(result))

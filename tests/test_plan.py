@@ -1,0 +1,155 @@
+"""The planner: layouts ranked from compiled facts and a hardware model."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+import shardkit as sk
+from shardkit.hardware import PROFILES, Hardware, get_hardware
+from shardkit.plan import PlanOptions, axis_links, candidate_layouts, estimate, plan
+
+H100 = PROFILES["h100"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("plan-cache")
+
+
+def test_a_small_model_gets_pure_data_parallelism(cache):
+    result = plan("tiny", 8, "h100", batch=16, seq=64, options=PlanOptions(tensor=(1, 2)), cache_dir=cache)
+    assert result["best"] == "data=8"
+    top = result["plans"][0]
+    assert top["fits"] and top["predicted_step_seconds"] > 0 and 0 < top["predicted_mfu"] <= 1
+    assert {
+        "layout",
+        "microbatches",
+        "remat",
+        "memory_per_device",
+        "predicted_step_seconds",
+        "predicted_mfu",
+        "fits",
+    } <= set(top)
+    # The best layout string is one `shardkit train` accepts.
+    assert sk.Layout.parse(result["best"]).resolve(8).spec() == "data=8"
+
+
+def test_a_model_that_does_not_fit_under_data_parallelism_gets_fsdp(cache):
+    small_gpu = dataclasses.replace(H100, name="small", memory_bytes=8e6 / 0.9)
+    result = plan(
+        "mini", 8, small_gpu, batch=8, seq=16, options=PlanOptions(tensor=(1,), remat=("full",)), cache_dir=cache
+    )
+    by_layout = {p["layout"]: p for p in result["plans"]}
+    assert not by_layout["data=8"]["fits"] and "model state alone exceeds" in by_layout["data=8"]["note"]
+    assert "fsdp" in result["best"]
+    assert all(p["memory_per_device"] <= 8e6 for p in result["plans"] if p["fits"])
+
+
+def test_tensor_parallelism_never_spans_nodes():
+    two_per_node = dataclasses.replace(H100, devices_per_node=2)
+    cfg = sk.models.GPTConfig.preset("llama2-7b")
+    layouts = candidate_layouts(cfg, 64, 64, two_per_node, PlanOptions())
+    assert layouts and max(s["tensor"] for s in layouts) == 2
+    for shape in candidate_layouts(cfg, 64, 64, H100, PlanOptions()):
+        assert axis_links({**shape, "sequence": 1, "stage": 1, "expert": 1}, H100)["tensor"] == "intra"
+
+
+def test_axis_links_follow_the_mesh_order():
+    shape = {"data": 4, "fsdp": 4, "tensor": 8, "sequence": 1, "stage": 1, "expert": 1}
+    links = axis_links(shape, H100)
+    assert links["tensor"] == "intra" and links["fsdp"] == "inter" and links["data"] == "inter"
+    shape = {"data": 16, "fsdp": 2, "tensor": 4, "sequence": 1, "stage": 1, "expert": 1}
+    links = axis_links(shape, H100)
+    assert (links["tensor"], links["fsdp"], links["data"]) == ("intra", "intra", "inter")
+
+
+RESULT = {  # a dry-run summary: 1 TFLOP per device, 1 GB over fsdp (crosses nodes), 2 GB over tensor
+    "layout": "fsdp=4,tensor=8",
+    "devices": 32,
+    "flops_per_device": 1e12,
+    "model_flops_per_step": 3.0e13,
+    "bytes_by_axes": {"fsdp": 1e9, "tensor": 2e9},
+}
+
+
+def test_predictions_respond_to_bandwidth():
+    base = estimate(RESULT, H100, "bfloat16")
+    assert base["compute_seconds"] == pytest.approx(1e12 / 989e12)
+    assert base["comm_seconds"] == pytest.approx(1e9 / 50e9 + 2e9 / 450e9)
+    slower_ib = estimate(RESULT, dataclasses.replace(H100, inter_node_bandwidth=25e9), "bfloat16")
+    assert slower_ib["comm_seconds"] - base["comm_seconds"] == pytest.approx(1e9 / 25e9 - 1e9 / 50e9)
+    faster_nvlink = estimate(RESULT, dataclasses.replace(H100, intra_node_bandwidth=900e9), "bfloat16")
+    assert faster_nvlink["comm_seconds"] < base["comm_seconds"]
+    assert base["step_seconds_overlap"] == pytest.approx(max(base["compute_seconds"], base["comm_seconds"]))
+    assert base["mfu"] == pytest.approx(3.0e13 / (32 * 989e12 * base["step_seconds"]))
+
+
+def test_predictions_respond_to_batch(cache):
+    times = {}
+    for batch in (16, 32):
+        r = plan(
+            "tiny", 8, "h100", batch=batch, seq=64, options=PlanOptions(tensor=(1,), microbatches=(1,)), cache_dir=cache
+        )
+        times[batch] = {p["layout"]: p for p in r["plans"]}
+    for layout in ("data=8", "fsdp=8"):
+        ratio = times[32][layout]["compute_seconds"] / times[16][layout]["compute_seconds"]
+        assert ratio == pytest.approx(2.0, rel=0.05)
+    # Data-parallel gradient traffic does not depend on the batch.
+    assert times[32]["data=8"]["bytes_by_axes"] == times[16]["data=8"]["bytes_by_axes"]
+
+
+def test_plan_cli_json(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardkit.cli",
+            "plan",
+            "--model",
+            "tiny",
+            "--devices",
+            "4",
+            "--hardware",
+            "a100",
+            "--batch",
+            "8",
+            "--seq",
+            "32",
+            "--tensor",
+            "1",
+            "--microbatches",
+            "1",
+            "--remat",
+            "none",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "SHARDKIT_CACHE": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["best"] == "data=4" and d["hardware"] == "a100" and len(d["plans"]) == 3
+    assert (tmp_path / "dryruns.json").exists()
+
+
+def test_hardware_profiles_and_files(tmp_path):
+    assert get_hardware("h200").memory_bytes == 141e9
+    assert PROFILES["tpu-v5p"].peak_flops("bfloat16") == 459e12
+    path = tmp_path / "mygpu.json"
+    fields = {k: v for k, v in dataclasses.asdict(H100).items() if k != "name"}
+    path.write_text(json.dumps({**fields, "memory_bytes": 24e9}))
+    hw = Hardware.from_file(path)
+    assert hw.name == "mygpu" and hw.memory_bytes == 24e9
+    with pytest.raises(sk.ShardkitError, match="Unknown hardware 'b200'"):
+        get_hardware("b200")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"flops": {"bfloat16": 1e15}}))
+    with pytest.raises(sk.ShardkitError, match="lacks"):
+        Hardware.from_file(bad)
+    with pytest.raises(sk.ShardkitError, match="no FLOP/s figure for float8"):
+        H100.peak_flops("float8")
