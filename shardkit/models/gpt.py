@@ -67,6 +67,7 @@ class GPTConfig:
     param_dtype: str = "float32"
     scan_layers: bool = True  # one compiled layer body, scanned L times
     remat: str = "none"  # per-layer rematerialisation: see REMAT_POLICIES
+    attention: str | None = None  # jax.nn.dot_product_attention implementation: None (auto), "xla", "cudnn"
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -180,7 +181,9 @@ class Attention(nnx.Module):
         q = constrain(rotary(q, self.cfg.rope_theta), ("batch", "seq", "heads", "kv"))
         k = constrain(rotary(k, self.cfg.rope_theta), ("batch", "seq", "kv_heads", "kv"))
         with jax.named_scope("attention"):
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, H, K)
+            out = jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation=self.cfg.attention
+            )  # (B, T, H, K)
         out = constrain(out, ("batch", "seq", "heads", "kv"))
         with jax.named_scope("out_proj"):
             return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(x.dtype))  # (B, T, D)

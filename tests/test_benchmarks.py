@@ -1,0 +1,72 @@
+"""The benchmark scripts run (at a small size) and write the JSON they promise."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+ENV = {**os.environ, "XLA_FLAGS": ""}
+
+
+def run(*cmd, timeout=600):
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_mfu_benchmark_small(tmp_path):
+    out = run(
+        sys.executable,
+        "benchmarks/mfu.py",
+        "--model",
+        "tiny",
+        "--batch",
+        "8",
+        "--seq",
+        "32",
+        "--steps",
+        "2",
+        "--json",
+        str(tmp_path / "mfu.json"),
+    )
+    result = json.loads((tmp_path / "mfu.json").read_text())
+    assert result["tokens_per_second"] > 0 and 0 < result["mfu"] < 1
+    assert "measured" in result["peak_source"] and "tokens/s" in out
+
+
+@pytest.mark.slow
+def test_bench_gpu_script_falls_back_to_cpu():
+    out = run("bash", "scripts/bench_gpu.sh")
+    assert "no NVIDIA GPU found" in out and "MFU" in out
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_small(tmp_path):
+    out = run(
+        sys.executable,
+        "benchmarks/overhead.py",
+        "--model",
+        "tiny",
+        "--seq",
+        "32",
+        "--steps",
+        "3",
+        "--json",
+        str(tmp_path / "o.json"),
+    )
+    result = json.loads((tmp_path / "o.json").read_text())
+    assert result["same_collectives"] is True and result["ratio_shardkit_over_hand_written"] > 0
+    assert "ratio shardkit / hand-written" in out
+
+
+@pytest.mark.slow
+def test_dryrun_scale_quick(tmp_path):
+    out = run(sys.executable, "benchmarks/dryrun_scale.py", "--quick", "--json", str(tmp_path / "d.json"))
+    result = json.loads((tmp_path / "d.json").read_text())
+    assert result["sizes"][0]["devices"] == 64 and [r["layers"] for r in result["depths"]] == [12, 24]
+    assert "goals" in out
