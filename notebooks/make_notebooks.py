@@ -228,6 +228,64 @@ CHECKPOINT = [
 ]
 
 
+PLAN = [
+    (
+        "markdown",
+        "# Plan: which layout for this model on these GPUs?\n\nThe planner compiles each candidate layout "
+        "for N simulated devices (a dry run, cached on disk), predicts the step time from the compiled matmul "
+        "FLOPs and the bytes each mesh axis moves over the link it crosses (NVLink inside a node, InfiniBand "
+        "between nodes), drops plans over the memory budget and ranks the rest. To keep this notebook quick the "
+        "search is narrowed: full remat, 4 microbatches, tensor 8 (and 1 on 8 GPUs); `shardkit plan` searches "
+        "the whole space by default.",
+    ),
+    (
+        "code",
+        "import matplotlib.pyplot as plt\n\nimport shardkit as sk\nfrom shardkit.plan import PlanOptions, format_plans, plan",
+    ),
+    (
+        "code",
+        "results = {}\n"
+        'for model in ["llama2-7b", "llama2-70b"]:\n'
+        "    for gpus in [8, 64, 512]:\n"
+        "        tensor = (1, 8) if gpus == 8 else (8,)\n"
+        '        options = PlanOptions(remat=("full",), microbatches=(4,), tensor=tensor)\n'
+        '        results[model, gpus] = plan(model, gpus, "h100", batch=2 * gpus, seq=2048, options=options)\n'
+        '        print(format_plans(results[model, gpus], top=5), end="\\n\\n")',
+    ),
+    (
+        "markdown",
+        "## Predicted step time and memory per plan\nBars: predicted seconds per step (no overlap; the dot is "
+        "perfect overlap). Grey bars do not fit in 80 GB.",
+    ),
+    (
+        "code",
+        "fig, axes = plt.subplots(2, 3, figsize=(14, 7))\n"
+        "for ax, ((model, gpus), result) in zip(axes.flat, results.items()):\n"
+        '    plans = [p for p in result["plans"] if p["predicted_step_seconds"] is not None][:8]\n'
+        '    names = [p["layout"].replace(",", "\\n") for p in plans]\n'
+        '    colors = ["tab:blue" if p["fits"] else "lightgray" for p in plans]\n'
+        '    ax.bar(names, [p["predicted_step_seconds"] for p in plans], color=colors)\n'
+        '    ax.plot(names, [p["predicted_step_seconds_overlap"] for p in plans], "k.")\n'
+        "    twin = ax.twinx()\n"
+        '    twin.plot(names, [p["memory_per_device"] / 1e9 for p in plans], "r^")\n'
+        '    twin.axhline(80, color="r", lw=0.5)\n'
+        '    twin.set_ylabel("GB per device", color="r")\n'
+        "    ax.set_title(f\"{model} on {gpus} H100: best {result['best']}\")\n"
+        '    ax.set_ylabel("predicted s/step")\n'
+        '    ax.tick_params(axis="x", labelsize=7)\n'
+        "plt.tight_layout()\nplt.show()",
+    ),
+    (
+        "code",
+        "# Any plan the planner picks is a layout string `shardkit train` accepts.\n"
+        'best = results["llama2-7b", 64]["best"]\n'
+        "print(best, sk.Layout.parse(best).resolve(64))\n"
+        'assert results["llama2-70b", 8]["best"] is None  # 70B does not fit on one node of 80 GB GPUs\n'
+        'assert results["llama2-70b", 512]["best"] is not None',
+    ),
+]
+
+
 def build(cells, path):
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -242,3 +300,4 @@ if __name__ == "__main__":
     build(QUICKSTART, HERE / "01_quickstart.ipynb")
     build(INSPECT, HERE / "02_inspect_and_dryrun.ipynb")
     build(CHECKPOINT, HERE / "04_checkpoint_and_resume.ipynb")
+    build(PLAN, HERE / "05_plan.ipynb")
