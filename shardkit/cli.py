@@ -68,6 +68,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
     p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism on the tensor axis")
 
 
 def _plan_arguments(p: argparse.ArgumentParser, default_layout: str) -> None:
@@ -182,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every,
                 keep_checkpoints=args.keep_checkpoints,
+                sequence_parallel=args.sequence_parallel,
             )
             train(cfg)
         elif args.command == "plan":

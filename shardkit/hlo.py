@@ -55,7 +55,7 @@ _IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d
 _MESH_GROUPS = re.compile(
     r"replica_groups=mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*\{(?P<over>[^}]*)\}"
 )
-_PAIRS = re.compile(r"source_target_pairs=\{(?P<pairs>[^=]*?)\}(?:,|$)")
+_PAIRS = re.compile(r"source_target_pairs=\{(?P<pairs>(?:\{\d+,\d+\},?)*)\}")
 
 
 @dataclasses.dataclass(frozen=True)

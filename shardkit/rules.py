@@ -156,6 +156,14 @@ def sequence_parallel() -> Rules:
     return Rules.of(seq="sequence")
 
 
+def tensor_sequence_parallel() -> Rules:
+    """Megatron sequence parallelism: between attention and MLP blocks (norms, dropout, residual),
+    activations are split along the sequence over ``tensor``; inside the blocks heads and hidden
+    units keep ``tensor`` (they come first in priority), so each tensor-parallel all-reduce
+    becomes an all-gather plus a reduce-scatter."""
+    return Rules.of(seq="tensor")
+
+
 def expert_parallel() -> Rules:
     """Experts of a mixture-of-experts layer split over ``expert``."""
     return Rules.of(experts="expert")

@@ -48,6 +48,7 @@ class TrainConfig:
     microbatches: int = 1
     remat: str = "none"
     nonfinite: str = "skip"
+    sequence_parallel: bool = False
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
@@ -129,6 +130,7 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
         precision=cfg.precision,
         microbatches=cfg.microbatches,
         nonfinite=cfg.nonfinite,
+        sequence_parallel=cfg.sequence_parallel,
     )
     ckpt = (
         Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)

@@ -25,7 +25,7 @@ from shardkit.model import Model, Params
 from shardkit.partition import Axes, named, path_str, specs_for, use_sharding
 from shardkit.precision import Precision, as_precision
 from shardkit.report import Report, build_report
-from shardkit.rules import Fallback, Rules, default_rules, resolve
+from shardkit.rules import Fallback, Rules, default_rules, resolve, tensor_sequence_parallel
 
 Batch = Mapping[str, jax.Array]
 # loss(forward, batch) -> (scalar loss, number of tokens/examples it averaged over)
@@ -120,6 +120,8 @@ class Trainer:
         state as it was and reports ``metrics["finite"] == False``; ``"halt"`` does the same and
         raises :class:`NonFiniteError` naming the step and the first non-finite parameter;
         None (default) applies the step whatever it holds.
+      sequence_parallel: Megatron sequence parallelism on the ``tensor`` axis
+        (:func:`shardkit.rules.tensor_sequence_parallel`).
       microbatches: split each batch into this many microbatches and accumulate their
         gradients inside the compiled step (``lax.scan``): the same update as the whole batch in
         one pass, with the activations of one microbatch alive at a time.
@@ -148,6 +150,7 @@ class Trainer:
         precision: str | Precision = "fp32",
         microbatches: int = 1,
         nonfinite: str | None = None,
+        sequence_parallel: bool = False,
         devices: Sequence[jax.Device] | None = None,
     ) -> None:
         if not isinstance(optimizer, optax.GradientTransformation):
@@ -171,6 +174,8 @@ class Trainer:
         self.layout = as_layout(layout).resolve(len(devices))
         self.mesh: Mesh = self.layout.make_mesh(devices)
         self.rules = default_rules(self.layout) if rules is None else rules
+        if sequence_parallel:
+            self.rules = self.rules + tensor_sequence_parallel()
         self.batch_axes = dict(batch_axes or {})
         self.fallbacks: list[Fallback] = []
 

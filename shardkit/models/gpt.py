@@ -23,7 +23,8 @@ from flax import nnx
 
 from shardkit.errors import ShardkitError
 from shardkit.model import Model, from_nnx
-from shardkit.partition import constrain, logical
+from shardkit.parallel.ring_attention import ring_attention
+from shardkit.partition import constrain, current_rules, logical
 
 _PRESETS: dict[str, dict[str, Any]] = {
     # vocab 256: byte-level tokens of the built-in corpus.
@@ -176,14 +177,19 @@ class Attention(nnx.Module):
         g = self.groups
         with jax.named_scope("qkv_proj"):
             qkv = jnp.einsum("btd,dngk->btngk", x, self.wqkv[...].astype(x.dtype))  # (B, T, N, G+2, K)
+            qkv = constrain(qkv, ("batch", "seq", "kv_heads", None, "kv"))  # heads split, not the sequence
         q = qkv[:, :, :, :g, :].reshape(b, t, -1, qkv.shape[-1])  # (B, T, H, K), head h -> kv head h // G
         k, v = qkv[:, :, :, g, :], qkv[:, :, :, g + 1, :]  # (B, T, N, K) each
         q = constrain(rotary(q, self.cfg.rope_theta), ("batch", "seq", "heads", "kv"))
         k = constrain(rotary(k, self.cfg.rope_theta), ("batch", "seq", "kv_heads", "kv"))
         with jax.named_scope("attention"):
-            out = jax.nn.dot_product_attention(
-                q, k, v, is_causal=True, implementation=self.cfg.attention
-            )  # (B, T, H, K)
+            context = current_rules()
+            if context is not None and dict(context[0].shape).get("sequence", 1) > 1:
+                out = ring_attention(q, k, v, *context)  # (B, T, H, K), the sequence split over devices
+            else:
+                out = jax.nn.dot_product_attention(
+                    q, k, v, is_causal=True, implementation=self.cfg.attention
+                )  # (B, T, H, K)
         out = constrain(out, ("batch", "seq", "heads", "kv"))
         with jax.named_scope("out_proj"):
             return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(x.dtype))  # (B, T, D)
@@ -201,6 +207,7 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         with jax.named_scope("gate_up_proj"):
             gate_up = jnp.einsum("btd,dcf->btcf", x, self.w_gate_up[...].astype(x.dtype))  # (B, T, 2, F)
+            gate_up = constrain(gate_up, ("batch", "seq", None, "mlp"))
         h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # (B, T, F)
         h = constrain(h, ("batch", "seq", "mlp"))
         with jax.named_scope("down_proj"):

@@ -1,0 +1,5 @@
+"""What GSPMD annotations alone cannot express: explicit communication inside the step."""
+
+from shardkit.parallel.ring_attention import ring_attention
+
+__all__ = ["ring_attention"]
