@@ -12,10 +12,11 @@ Goals: llama2-70b on 512 devices compiles in under 60 s with under 4 GB of host 
 
 import argparse
 import json
-import pathlib
 import subprocess
 import sys
 import time
+
+from _results import write_json
 
 SIZES = [("llama2-7b", 64), ("llama2-13b", 256), ("llama2-70b", 512)]
 DEPTHS = [12, 24, 48, 96]
@@ -93,10 +94,7 @@ def main():
         goals["70b_512_host_memory_under_4gb"] = big[0]["peak_host_memory_gb"] < 4
     goals["deepest_within_1.3x_of_12_layers"] = depth_rows[-1]["compile_seconds"] <= 1.3 * base
     print("\ngoals:", goals)
-    out = pathlib.Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"sizes": rows, "depths": depth_rows, "goals": goals}, indent=2))
-    print(f"wrote {out}")
+    write_json(args.json, {"sizes": rows, "depths": depth_rows, "goals": goals})
 
 
 if __name__ == "__main__":

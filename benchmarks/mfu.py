@@ -11,11 +11,11 @@ measured rate of a large matmul in the same dtype, and the table says so.
 """
 
 import argparse
-import json
-import pathlib
 import statistics
 import sys
 import time
+
+from _results import write_json
 
 import shardkit as sk
 
@@ -105,10 +105,7 @@ def main():
     }
     print(f"{'model':12s} {'devices':>7s} {'tokens/s':>12s} {'step s':>8s} {'MFU':>6s}  peak from")
     print(f"{args.model:12s} {devices:7d} {tokens / step_s:12,.0f} {step_s:8.4f} {mfu:6.1%}  {source}")
-    out = pathlib.Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

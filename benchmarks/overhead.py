@@ -9,11 +9,11 @@ between the two so that machine noise hits both alike; the ratio of medians is t
 """
 
 import argparse
-import json
-import pathlib
 import statistics
 import sys
 import time
+
+from _results import write_json
 
 import shardkit as sk
 
@@ -117,10 +117,7 @@ def main():
     for k, v in med.items():
         print(f"{k:14s} {v:10.5f}")
     print(f"ratio shardkit / hand-written = {ratio:.4f}  (goal <= 1.02); same collectives: {same_collectives}")
-    out = pathlib.Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,17 @@ import optax
 
 import shardkit as sk
 
+# The layouts of the core issue on 8 simulated devices: (layout, devices used).
+CORE_LAYOUTS = [
+    ("data=1", 1),
+    ("data=8", 8),
+    ("fsdp=8", 8),
+    ("tensor=4", 4),
+    ("data=2,tensor=4", 8),
+    ("fsdp=2,tensor=4", 8),
+    ("data=2,fsdp=2,tensor=2", 8),
+]
+
 
 def reference_training(
     init_params: Callable[[jax.Array], dict],

@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_trees_close, reference_training, run_trainer
+from helpers import CORE_LAYOUTS, assert_trees_close, reference_training, run_trainer
 
 import shardkit as sk
 from shardkit.models import GPT, GPTConfig
@@ -36,18 +36,7 @@ def adamw_reference():
     return make_reference(optax.adamw(1e-3))
 
 
-LAYOUTS = [
-    ("data=1", 1),
-    ("data=8", 8),
-    ("fsdp=8", 8),
-    ("tensor=4", 4),
-    ("data=2,tensor=4", 8),
-    ("fsdp=2,tensor=4", 8),
-    ("data=2,fsdp=2,tensor=2", 8),
-]
-
-
-@pytest.mark.parametrize("layout,n", LAYOUTS)
+@pytest.mark.parametrize("layout,n", CORE_LAYOUTS)
 def test_gpt_adamw_matches_single_device(layout, n, adamw_reference):
     ref_losses, ref_params = adamw_reference
     model = sk.from_nnx(lambda rngs: GPT(CFG, rngs=rngs))

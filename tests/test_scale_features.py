@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_trees_close, run_trainer
+from helpers import CORE_LAYOUTS, assert_trees_close, run_trainer
 
 import shardkit as sk
 from shardkit import hlo
@@ -119,18 +119,7 @@ def dropout_reference():
     return losses
 
 
-@pytest.mark.parametrize(
-    "layout,n",
-    [
-        ("data=1", 1),
-        ("data=8", 8),
-        ("fsdp=8", 8),
-        ("tensor=4", 4),
-        ("data=2,tensor=4", 8),
-        ("fsdp=2,tensor=4", 8),
-        ("data=2,fsdp=2,tensor=2", 8),
-    ],
-)
+@pytest.mark.parametrize("layout,n", CORE_LAYOUTS)
 def test_dropout_bits_do_not_depend_on_the_layout(layout, n, dropout_reference):
     t = sk.Trainer(DROPOUT.model(), optax.adamw(3e-3), layout, devices=jax.devices()[:n])
     losses, _ = run_trainer(t, BATCHES[:5])
