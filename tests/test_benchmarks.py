@@ -70,3 +70,10 @@ def test_dryrun_scale_quick(tmp_path):
     result = json.loads((tmp_path / "d.json").read_text())
     assert result["sizes"][0]["devices"] == 64 and [r["layers"] for r in result["depths"]] == [12, 24]
     assert "goals" in out
+
+
+@pytest.mark.slow
+def test_checkpoint_stall_benchmark_small(tmp_path):
+    run(sys.executable, "benchmarks/checkpoint_stall.py", "--model", "tiny", "--json", str(tmp_path / "c.json"))
+    result = json.loads((tmp_path / "c.json").read_text())
+    assert 0 < result["save_call_seconds"] <= result["until_on_disk_seconds"]
