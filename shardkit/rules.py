@@ -29,8 +29,8 @@ from shardkit.mesh import MESH_AXES, Layout
 
 # Logical axis names shardkit's models use, in default priority order.
 LOGICAL_AXES: tuple[str, ...] = (
+    "experts",  # before batch: expert buffers (experts, batch, ...) keep the expert axis for experts
     "batch",
-    "experts",
     "layers",
     "vocab",
     "heads",
@@ -165,8 +165,9 @@ def tensor_sequence_parallel() -> Rules:
 
 
 def expert_parallel() -> Rules:
-    """Experts of a mixture-of-experts layer split over ``expert``."""
-    return Rules.of(experts="expert")
+    """Experts of a mixture-of-experts layer split over ``expert``; everywhere else the ``expert``
+    axis splits the batch (so tokens travel to their experts with all-to-alls)."""
+    return Rules.of(experts="expert", batch="expert")
 
 
 def pipeline_parallel() -> Rules:

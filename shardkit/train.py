@@ -60,17 +60,18 @@ def next_token_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> 
     """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``.
 
     Args:
-      forward: ``(B, T) int tokens -> (B, T, V) logits``.
+      forward: ``(B, T) int tokens -> (B, T, V) logits`` (or ``(logits, aux_loss)``, added).
       batch: ``{"tokens": (B, T + 1) int32}``.
 
     Returns:
       ``(loss, number of predicted tokens)``.
     """
     tokens = batch["tokens"]
-    logits = forward(tokens[:, :-1])  # (B, T, V)
+    out = forward(tokens[:, :-1])  # (B, T, V), or (logits, auxiliary loss) for mixtures of experts
+    logits, aux = out if isinstance(out, tuple) else (out, 0.0)
     targets = tokens[:, 1:]  # (B, T)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    return losses.mean(), jnp.asarray(targets.size, jnp.int32)
+    return losses.mean() + aux, jnp.asarray(targets.size, jnp.int32)
 
 
 def mse_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> tuple[jax.Array, jax.Array]:

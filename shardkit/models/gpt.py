@@ -23,6 +23,7 @@ from flax import nnx
 
 from shardkit.errors import ShardkitError
 from shardkit.model import Model, from_nnx
+from shardkit.parallel.experts import MoE
 from shardkit.parallel.ring_attention import ring_attention
 from shardkit.partition import constrain, current_rules, logical
 
@@ -69,6 +70,10 @@ class GPTConfig:
     scan_layers: bool = True  # one compiled layer body, scanned L times
     remat: str = "none"  # per-layer rematerialisation: see REMAT_POLICIES
     attention: str | None = None  # jax.nn.dot_product_attention implementation: None (auto), "xla", "cudnn"
+    n_experts: int = 0  # > 0: every MLP is a mixture of this many experts (shardkit.parallel.experts)
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    aux_loss_weight: float = 0.01
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -112,7 +117,8 @@ class GPTConfig:
         """Parameter count (embedding and untied output head included)."""
         d, f, k = self.dim, self.mlp_dim, self.head_dim
         attn = d * self.n_heads * k * 2 + d * self.n_kv_heads * k * 2
-        per_layer = attn + 3 * d * f + 2 * d
+        mlp = 3 * d * f if not self.n_experts else self.n_experts * 3 * d * f + d * self.n_experts
+        per_layer = attn + mlp + 2 * d
         return self.n_layers * per_layer + 2 * self.vocab * d + d
 
 
@@ -221,19 +227,27 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.param_dtype, rngs)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.param_dtype, rngs)
-        self.mlp = SwiGLU(cfg, rngs)
+        if cfg.n_experts:
+            self.mlp = MoE(cfg.dim, cfg.mlp_dim, cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.param_dtype, rngs)
+        else:
+            self.mlp = SwiGLU(cfg, rngs)
         self.dropout = cfg.dropout
 
-    def __call__(self, x: jax.Array, key: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """``(B, T, D) -> ((B, T, D), load-balancing loss of this layer; 0 for a dense MLP)``."""
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         with jax.named_scope("attn"):
             x = x + _dropout(self.attn(self.attn_norm(x)), self.dropout, k1)  # (B, T, D)
         with jax.named_scope("mlp"):
-            x = x + _dropout(self.mlp(self.mlp_norm(x)), self.dropout, k2)  # (B, T, D)
-        return constrain(x, ("batch", "seq", "embed"))
+            out = self.mlp(self.mlp_norm(x))
+            out, aux = out if isinstance(out, tuple) else (out, jnp.zeros((), jnp.float32))
+            x = x + _dropout(out, self.dropout, k2)  # (B, T, D)
+        return constrain(x, ("batch", "seq", "embed")), aux
 
 
-def _layer(block: Block, x: jax.Array, key: jax.Array | None, remat: str, name: str = "layer") -> jax.Array:
+def _layer(
+    block: Block, x: jax.Array, key: jax.Array | None, remat: str, name: str = "layer"
+) -> tuple[jax.Array, jax.Array]:
     with jax.named_scope(name):  # collectives in reports say which layer they come from
         if remat == "none":
             return block(x, key)
@@ -241,7 +255,8 @@ def _layer(block: Block, x: jax.Array, key: jax.Array | None, remat: str, name: 
 
 
 class GPT(nnx.Module):
-    """Decoder-only language model. ``__call__(tokens (B, T) int, rngs=None) -> logits (B, T, V)``.
+    """Decoder-only language model. ``__call__(tokens (B, T) int, rngs=None) -> logits (B, T, V)``,
+    or ``(logits, weighted load-balancing loss)`` for a mixture-of-experts GPT (``n_experts > 0``).
 
     ``rngs`` (an ``nnx.Rngs`` with a ``dropout`` stream) turns dropout on; None is evaluation.
     """
@@ -277,17 +292,23 @@ class GPT(nnx.Module):
 
             @nnx.scan(
                 in_axes=(nnx.Carry, 0, 0 if keys is not None else None),
-                out_axes=nnx.Carry,
+                out_axes=(nnx.Carry, 0),
                 transform_metadata={nnx.PARTITION_NAME: "layers"},
             )
-            def run(x: jax.Array, block: Block, key: jax.Array | None) -> jax.Array:
+            def run(x: jax.Array, block: Block, key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
                 return _layer(block, x, key, cfg.remat)
 
-            x = run(x, self.blocks, None if keys is None else keys[:-1])  # (B, T, D)
+            x, aux = run(x, self.blocks, None if keys is None else keys[:-1])  # (B, T, D), (L,)
         else:
+            aux = []
             for i, block in enumerate(self.blocks):
-                x = _layer(block, x, None if keys is None else keys[i], cfg.remat, f"layer_{i}")  # (B, T, D)
+                x, layer_aux = _layer(block, x, None if keys is None else keys[i], cfg.remat, f"layer_{i}")
+                aux.append(layer_aux)
+            aux = jnp.stack(aux)  # (L,)
         x = self.final_norm(x)
         with jax.named_scope("lm_head"):
             logits = x @ self.lm_head[...].astype(dt)  # (B, T, V)
-        return constrain(logits, ("batch", "seq", "vocab"))
+        logits = constrain(logits, ("batch", "seq", "vocab"))
+        if cfg.n_experts:
+            return logits, cfg.aux_loss_weight * aux.mean()
+        return logits

@@ -1,0 +1,95 @@
+"""Mixture of experts: top-k routing, capacity with token dropping, load-balancing loss.
+
+GShard-style dispatch: each sequence is a routing group; a one-hot dispatch tensor puts every
+kept token into a slot of its experts' buffers, ``einsum`` gathers the buffers, the experts run,
+and a weighted combine brings the outputs back. The expert buffers are constrained to be split
+over the ``expert`` mesh axis while tokens are split over the batch axes (which include
+``expert``), so XLA moves tokens to their experts and back with all-to-alls. Routing depends on
+each sequence alone, so every layout routes (and drops) exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardkit.partition import constrain, logical
+
+
+def route(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Top-k routing with a per-expert capacity, first choices first (later tokens are dropped).
+
+    Args:
+      logits: router logits (G, S, E) for G groups of S tokens.
+      top_k: experts per token.
+      capacity: slots per expert and group.
+
+    Returns:
+      ``(dispatch, combine, aux_loss)``: dispatch (G, S, E, C) in {0, 1}; combine (G, S, E, C),
+      the gate weights of the kept assignments; the load-balancing loss (Switch/GShard form:
+      E * sum_e fraction_of_first_choices_e * mean_router_probability_e, 1.0 when balanced).
+    """
+    g, s, e = logits.shape
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # (G, S, E)
+    gates, experts = jax.lax.top_k(probs, top_k)  # (G, S, k)
+    gates = gates / gates.sum(axis=-1, keepdims=True)
+    choice = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # (G, S, k, E)
+    # Slots are filled by all first choices (in token order), then all second choices, ...
+    order = choice.transpose(0, 2, 1, 3).reshape(g, top_k * s, e)
+    slot = (jnp.cumsum(order, axis=1) - 1).reshape(g, top_k, s, e).transpose(0, 2, 1, 3)  # (G, S, k, E)
+    kept = choice * (slot < capacity)
+    one_slot = jax.nn.one_hot(jnp.where(kept > 0, slot, -1), capacity, dtype=jnp.float32)  # (G, S, k, E, C)
+    dispatch = one_slot.sum(axis=2)  # (G, S, E, C)
+    combine = (one_slot * gates[..., None, None]).sum(axis=2)  # (G, S, E, C)
+    first = jax.nn.one_hot(experts[..., 0], e, dtype=jnp.float32)  # (G, S, E)
+    aux = e * jnp.sum(first.mean(axis=(0, 1)) * probs.mean(axis=(0, 1)))
+    return dispatch, combine, aux
+
+
+class MoE(nnx.Module):
+    """SwiGLU experts behind a top-k router. ``(B, T, D) -> ((B, T, D), load-balancing loss)``."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        n_experts: int,
+        top_k: int,
+        capacity_factor: float,
+        param_dtype: str,
+        rngs: nnx.Rngs,
+    ):
+        init, dt = nnx.initializers.lecun_normal(), jnp.dtype(param_dtype)
+        self.router = nnx.Param(logical(init, ("embed", None))(rngs.params(), (dim, n_experts), dt))
+        gate_up_init = nnx.initializers.lecun_normal(in_axis=1, out_axis=(2, 3), batch_axis=(0,))
+        self.w_gate_up = nnx.Param(
+            logical(gate_up_init, ("experts", "embed", None, "mlp"))(rngs.params(), (n_experts, dim, 2, hidden), dt)
+        )
+        down_init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
+        self.w_down = nnx.Param(
+            logical(down_init, ("experts", "mlp", "embed"))(rngs.params(), (n_experts, hidden, dim), dt)
+        )
+        self.top_k, self.capacity_factor, self.n_experts = top_k, capacity_factor, n_experts
+
+    def capacity(self, tokens_per_group: int) -> int:
+        return max(1, math.ceil(self.capacity_factor * tokens_per_group * self.top_k / self.n_experts))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        t = x.shape[1]
+        with jax.named_scope("router"):
+            logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # (B, T, E)
+            dispatch, combine, aux = route(logits, self.top_k, self.capacity(t))
+        with jax.named_scope("dispatch"):
+            buffers = jnp.einsum("gsec,gsd->egcd", dispatch.astype(x.dtype), x)  # (E, B, C, D)
+            buffers = constrain(buffers, ("experts", "batch", None, "embed"))
+        with jax.named_scope("experts"):
+            h = jnp.einsum("egcd,edxf->egcxf", buffers, self.w_gate_up[...].astype(x.dtype))  # (E, B, C, 2, F)
+            h = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]  # (E, B, C, F)
+            out = jnp.einsum("egcf,efd->egcd", h, self.w_down[...].astype(x.dtype))  # (E, B, C, D)
+            out = constrain(out, ("experts", "batch", None, "embed"))
+        with jax.named_scope("combine"):
+            y = jnp.einsum("gsec,egcd->gsd", combine.astype(x.dtype), out)  # (B, T, D)
+        return y, aux
