@@ -15,8 +15,10 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
-from shardkit.partition import constrain, logical
+from shardkit.partition import current_rules, logical
+from shardkit.rules import resolve
 
 
 def route(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -47,6 +49,31 @@ def route(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.
     first = jax.nn.one_hot(experts[..., 0], e, dtype=jnp.float32)  # (G, S, E)
     aux = e * jnp.sum(first.mean(axis=(0, 1)) * probs.mean(axis=(0, 1)))
     return dispatch, combine, aux
+
+
+def exchange(buffers: jax.Array, to_experts: bool, axis: str = "expert") -> jax.Array:
+    """Move expert buffers (E, G, C, D) between token-sharded and expert-sharded with one
+    all-to-all over ``axis``: each device sends every expert's slots of its own tokens to the
+    device that holds that expert (and the reverse for ``to_experts=False``).
+
+    Outside a sharding context, or when the mesh has no ``axis``, the buffers are returned as they are.
+    """
+    context = current_rules()
+    if context is None or dict(context[0].shape).get(axis, 1) == 1:
+        return buffers
+    mesh, rules = context
+    mesh_shape = dict(mesh.shape)
+    tokens = resolve((None, "batch", None, None), buffers.shape, rules, mesh_shape, what="expert buffers")
+    experts = resolve(("experts", "batch", None, None), buffers.shape, rules, mesh_shape, what="expert buffers")
+    token_spec = PartitionSpec(*(tuple(tokens) + (None,) * (4 - len(tokens))))
+    expert_spec = PartitionSpec(*(tuple(experts) + (None,) * (4 - len(experts))))
+    if to_experts:
+        move = lambda b: jax.lax.all_to_all(b, axis, split_axis=0, concat_axis=1, tiled=True)
+        in_spec, out_spec = token_spec, expert_spec
+    else:
+        move = lambda b: jax.lax.all_to_all(b, axis, split_axis=1, concat_axis=0, tiled=True)
+        in_spec, out_spec = expert_spec, token_spec
+    return jax.shard_map(move, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=False)(buffers)
 
 
 class MoE(nnx.Module):
@@ -83,13 +110,13 @@ class MoE(nnx.Module):
             logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # (B, T, E)
             dispatch, combine, aux = route(logits, self.top_k, self.capacity(t))
         with jax.named_scope("dispatch"):
-            buffers = jnp.einsum("gsec,gsd->egcd", dispatch.astype(x.dtype), x)  # (E, B, C, D)
-            buffers = constrain(buffers, ("experts", "batch", None, "embed"))
+            buffers = jnp.einsum("gsec,gsd->egcd", dispatch.astype(x.dtype), x)  # (E, B, C, D), local tokens
+            buffers = exchange(buffers, to_experts=True)
         with jax.named_scope("experts"):
             h = jnp.einsum("egcd,edxf->egcxf", buffers, self.w_gate_up[...].astype(x.dtype))  # (E, B, C, 2, F)
             h = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]  # (E, B, C, F)
             out = jnp.einsum("egcf,efd->egcd", h, self.w_down[...].astype(x.dtype))  # (E, B, C, D)
-            out = constrain(out, ("experts", "batch", None, "embed"))
+            out = exchange(out, to_experts=False)
         with jax.named_scope("combine"):
             y = jnp.einsum("gsec,egcd->gsd", combine.astype(x.dtype), out)  # (B, T, D)
         return y, aux
