@@ -29,7 +29,7 @@ from jax._src import xla_bridge
 
 from shardkit.dryrun import DryRunConfig, can_run_here
 from shardkit.errors import ShardkitError
-from shardkit.hardware import Hardware, get_hardware
+from shardkit.hardware import PROFILES, Hardware, get_hardware
 from shardkit.mesh import MESH_AXES
 from shardkit.models.gpt import GPTConfig
 from shardkit.precision import as_precision
@@ -321,7 +321,7 @@ def _plan_in_subprocess(
     model: str, devices: int, hw: Hardware, batch: int, seq: int, options: PlanOptions, cache_dir: Any
 ) -> dict[str, Any]:
     hw_file = None
-    if hw.name not in ("h100", "h200", "a100", "tpu-v5p", "tpu-v5e"):
+    if PROFILES.get(hw.name) != hw:  # a custom or modified profile travels as a file
         import tempfile
 
         hw_file = pathlib.Path(tempfile.mkdtemp()) / f"{hw.name}.json"

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from shardkit import hlo
+from shardkit.rules import entry_axes
 
 if TYPE_CHECKING:
     from shardkit.train import Trainer
@@ -284,7 +285,7 @@ def collective_stats(
         jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)) if param_specs else []
     )
     shapes = [tuple(x.shape) for x in jax.tree.leaves(param_shapes)] if param_shapes else []
-    param_axes = {a for spec in specs for entry in spec for a in _entry_axes(entry)}
+    param_axes = {a for spec in specs for entry in spec for a in entry_axes(entry)}
 
     @functools.cache
     def gradient_shapes(axes: tuple[str, ...]) -> frozenset[tuple[int, ...]]:
@@ -293,7 +294,7 @@ def collective_stats(
         for spec, shape in zip(specs, shapes, strict=True):
             entries = tuple(spec) + (None,) * (len(shape) - len(spec))
             local = tuple(
-                d // math.prod(mesh_shape[a] for a in _entry_axes(e) if a not in axes)
+                d // math.prod(mesh_shape[a] for a in entry_axes(e) if a not in axes)
                 for d, e in zip(shape, entries, strict=True)
             )
             out.update({local, local[1:]})
@@ -336,12 +337,6 @@ def collective_stats(
             )
         )
     return sorted(stats, key=lambda c: (c.kind, c.axes, c.op))
-
-
-def _entry_axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _bytes_per_device(abstract: Any, shardings: Any) -> int:

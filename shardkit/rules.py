@@ -274,6 +274,13 @@ def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
     return axes[0] if len(axes) == 1 else axes
 
 
+def entry_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry: ``None`` -> (), ``"fsdp"`` -> ("fsdp",)."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def check_spec(spec: PartitionSpec, shape: Sequence[int], mesh_shape: Mapping[str, int], what: str) -> None:
     """Validate a user-given ``PartitionSpec``: known axes, each used once, dimensions divide."""
     if len(spec) > len(shape):
@@ -283,7 +290,7 @@ def check_spec(spec: PartitionSpec, shape: Sequence[int], mesh_shape: Mapping[st
         )
     seen: set[str] = set()
     for d, entry in enumerate(spec):
-        axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        axes = entry_axes(entry)
         for a in axes:
             if a not in mesh_shape:
                 raise ShardkitError(

@@ -25,7 +25,7 @@ from shardkit.model import Model, Params
 from shardkit.partition import Axes, named, path_str, specs_for, use_sharding
 from shardkit.precision import Precision, as_precision
 from shardkit.report import Report, build_report
-from shardkit.rules import Fallback, Rules, default_rules, resolve, tensor_sequence_parallel
+from shardkit.rules import Fallback, Rules, default_rules, entry_axes, resolve, tensor_sequence_parallel
 
 Batch = Mapping[str, jax.Array]
 # loss(forward, batch) -> (scalar loss, number of tokens/examples it averaged over)
@@ -180,7 +180,7 @@ class Trainer:
         self.batch_axes = dict(batch_axes or {})
         self.fallbacks: list[Fallback] = []
 
-        abstract_params = model.abstract_params()
+        self.abstract_params = abstract_params = model.abstract_params()  # eval_shape once
         self.param_specs = specs_for(
             model.axes,
             abstract_params,
@@ -376,7 +376,7 @@ class Trainer:
         mesh_shape = dict(self.mesh.shape)
         for name, spec in self.batch_specs(batch).items():
             rows = batch[name].shape[0] if batch[name].shape else 0
-            shards = math.prod(mesh_shape[a] for a in _axes_of(spec[0])) if len(spec) else 1
+            shards = math.prod(mesh_shape[a] for a in entry_axes(spec[0])) if len(spec) else 1
             if rows % (self.microbatches * shards):
                 raise ShardkitError(
                     f"batch[{name!r}] has {rows} rows: with microbatches={self.microbatches} and the batch "
@@ -429,14 +429,14 @@ class Trainer:
     def sharding_table(self) -> list[dict[str, Any]]:
         """One row per parameter: path, shape, logical axes, spec and per-device shard shape."""
         rows = []
-        abstract = self.model.abstract_params()
+        abstract = self.abstract_params
         flat_axes = dict(_flatten(self.model.axes, is_leaf=lambda x: isinstance(x, Axes)))
         flat_specs = dict(_flatten(self.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
         mesh_shape = dict(self.mesh.shape)
         for path, leaf in _flatten(abstract):
             spec = flat_specs[path]
             shard = tuple(
-                dim // math.prod(mesh_shape[a] for a in _axes_of(entry))
+                dim // math.prod(mesh_shape[a] for a in entry_axes(entry))
                 for dim, entry in zip(leaf.shape, tuple(spec) + (None,) * (len(leaf.shape) - len(spec)))
             )
             rows.append(
@@ -469,15 +469,9 @@ def _batch_key(batch: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch.items()))
 
 
-def _axes_of(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _spec_str(spec: PartitionSpec, ndim: int) -> str:
     entries = tuple(spec) + (None,) * (ndim - len(spec))
-    return "[" + ", ".join("+".join(_axes_of(e)) or "-" for e in entries) + "]"
+    return "[" + ", ".join("+".join(entry_axes(e)) or "-" for e in entries) + "]"
 
 
 def _flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:

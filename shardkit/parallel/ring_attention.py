@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from shardkit.errors import ShardkitError
-from shardkit.rules import Rules, resolve
+from shardkit.rules import Rules, entry_axes, resolve
 
 
 def _ring_body(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, size: int) -> jax.Array:
@@ -84,7 +84,7 @@ def ring_attention(
     size = mesh_shape.get(axis, 1)
     q_spec = resolve(("batch", "seq", "heads", "kv"), q.shape, rules, mesh_shape, what="ring attention q")
     kv_spec = resolve(("batch", "seq", "kv_heads", "kv"), k.shape, rules, mesh_shape, what="ring attention k/v")
-    if tuple(_axes(q_spec[1])) != (axis,) or tuple(_axes(kv_spec[1])) != (axis,):
+    if entry_axes(q_spec[1]) != (axis,) or entry_axes(kv_spec[1]) != (axis,):
         raise ShardkitError(
             f"Ring attention needs the sequence dimension sharded over {axis!r} alone, but the rules give "
             f"q {q_spec} and k/v {kv_spec}. Map 'seq' to {axis!r} (sk.rules.sequence_parallel())."
@@ -99,9 +99,3 @@ def ring_attention(
         check_vma=False,
     )
     return body(q, k, v)
-
-
-def _axes(entry: object) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)  # type: ignore[arg-type]
