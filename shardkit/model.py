@@ -33,6 +33,7 @@ class Model:
       name: shown in tables.
       info: facts reports use when known: ``layers``, ``dim`` (hidden size) and
         ``matmul_params`` (parameters used in matmuls, for model FLOPs).
+      stages: how the model splits into pipeline stages (None: it cannot be pipelined).
     """
 
     init: Callable[[jax.Array], Params]
@@ -40,10 +41,35 @@ class Model:
     axes: Any
     name: str = "model"
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    stages: Stages | None = None
 
     def abstract_params(self, seed: int = 0) -> Params:
         """Shapes and dtypes of the parameters (``ShapeDtypeStruct`` tree); allocates nothing."""
         return jax.eval_shape(self.init, jax.random.key(seed))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Stages:
+    """How a model splits into pipeline stages: ``head(body(embed(inputs)))`` equals ``apply``.
+
+    Attributes:
+      layers: the top-level key of ``params`` that holds the stacked layers (every leaf has a
+        leading layer dimension); a stage runs ``body`` with a contiguous slice of it.
+      embed: ``(params, inputs, key) -> x``, the activation entering the first layer
+        (e.g. ``(B, T) tokens -> (B, T, D)``).
+      body: ``(params, x, key, first_layer) -> (x, aux_loss)``: the layers in
+        ``params[layers]`` (whatever their number), numbered from ``first_layer`` (so dropout
+        draws the same bits as the whole model); ``aux_loss`` is their share of any
+        auxiliary loss (0 if none).
+      head: ``(params, x) -> outputs``, as ``apply`` returns them less the auxiliary loss.
+      n_layers: ``L``, the size of the layer dimension.
+    """
+
+    layers: str
+    embed: Callable[[Params, Any, jax.Array | None], jax.Array]
+    body: Callable[[Params, jax.Array, jax.Array | None, jax.Array], tuple[jax.Array, jax.Array]]
+    head: Callable[[Params, jax.Array], Any]
+    n_layers: int
 
 
 NNX_EXTRA_STATE = """\
@@ -60,6 +86,7 @@ def from_nnx(
     *,
     name: str | None = None,
     info: Mapping[str, Any] | None = None,
+    stacked_layers: str | None = None,
 ) -> Model:
     """Wrap a Flax NNX model.
 
@@ -69,6 +96,12 @@ def from_nnx(
     the step has a key, if it accepts ``rngs``.
 
     Logical names come from :func:`shardkit.logical` metadata on the parameters.
+
+    Pipeline parallelism needs to know where the layers are: pass ``stacked_layers``, the
+    attribute holding the layers stacked along a leading ``layers`` axis (``nnx.vmap``), and give
+    the module three methods that compose to ``__call__``: ``embed_inputs(inputs, key)``,
+    ``run_layers(x, key, first_layer) -> (x, aux_loss)`` and ``head(x)``, where ``key`` is the
+    one dropout key ``__call__`` draws from its ``rngs`` (see :class:`shardkit.models.GPT`).
 
     Example:
       >>> import shardkit as sk
@@ -97,7 +130,37 @@ def from_nnx(
             return module(inputs, rngs=None if key is None else nnx.Rngs(dropout=key))
         return module(inputs)
 
-    return Model(init, apply, _plain_dict(nnx_axes(abstract_params)), label, dict(info or {}))
+    axes = _plain_dict(nnx_axes(abstract_params))
+    stages = None if stacked_layers is None else _nnx_stages(graphdef, abstract, stacked_layers, label)
+    return Model(init, apply, axes, label, dict(info or {}), stages)
+
+
+def _nnx_stages(graphdef: Any, abstract: nnx.Module, layers: str, label: str) -> Stages:
+    """The pipeline pieces of an NNX module that follows the protocol in :func:`from_nnx`."""
+    missing = [m for m in ("embed_inputs", "run_layers", "head") if not callable(getattr(abstract, m, None))]
+    held = getattr(abstract, layers, None)
+    leaves = jax.tree.leaves(nnx.to_pure_dict(nnx.state(held, nnx.Param))) if isinstance(held, nnx.Module) else []
+    if missing or not leaves:
+        raise ShardkitError(
+            f"Model {label} cannot be split into pipeline stages: "
+            + (f"it lacks the method(s) {', '.join(missing)}" if missing else f"it has no stacked layers at {layers!r}")
+            + ". Fix: stack the layers with nnx.vmap in one attribute and define embed_inputs, run_layers and "
+            "head (see shardkit.models.GPT), or drop the stage axis from the layout."
+        )
+
+    def base_key(key: jax.Array | None) -> jax.Array | None:
+        return None if key is None else nnx.Rngs(dropout=key).dropout()  # what __call__ draws
+
+    def embed(params: Params, inputs: Any, key: jax.Array | None) -> jax.Array:
+        return nnx.merge(graphdef, params).embed_inputs(inputs, base_key(key))
+
+    def body(params: Params, x: jax.Array, key: jax.Array | None, first: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return nnx.merge(graphdef, params).run_layers(x, base_key(key), first)
+
+    def head(params: Params, x: jax.Array) -> Any:
+        return nnx.merge(graphdef, params).head(x)
+
+    return Stages(layers, embed, body, head, int(leaves[0].shape[0]))
 
 
 def _plain_dict(tree: Any) -> Any:

@@ -275,6 +275,11 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         return x
     spec = resolve(names, x.shape, ctx.rules, dict(ctx.mesh.shape), what="activation")
     sharding = NamedSharding(ctx.mesh, spec)
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract.manual_axes:
+        # Inside a shard_map island (a pipeline stage, say) the constraint names the mesh with
+        # its manual axes marked as such; the spec never mentions them.
+        sharding = NamedSharding(abstract, spec)
     if isinstance(x, jax.core.Tracer):
         return jax.lax.with_sharding_constraint(x, sharding)
     return jax.device_put(x, sharding)

@@ -22,12 +22,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardkit.errors import ShardkitError
 from shardkit.mesh import Layout, as_layout
 from shardkit.model import Model, Params
+from shardkit.parallel.pipeline import pipeline_value_and_grad
+from shardkit.parallel.schedule import Schedule, make_schedule
 from shardkit.partition import Axes, named, path_str, specs_for, use_sharding
 from shardkit.precision import Precision, as_precision
 from shardkit.report import Report, build_report
 from shardkit.rules import Fallback, Rules, default_rules, entry_axes, resolve, tensor_sequence_parallel
 
 Batch = Mapping[str, jax.Array]
+_KEY = "__dropout_key__"  # microbatch entry carrying each microbatch's key into the pipeline
 # loss(forward, batch) -> (scalar loss, number of tokens/examples it averaged over)
 LossFn = Callable[[Callable[[Any], Any], Batch], tuple[jax.Array, jax.Array]]
 
@@ -70,8 +73,21 @@ def next_token_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> 
     out = forward(tokens[:, :-1])  # (B, T, V), or (logits, auxiliary loss) for mixtures of experts
     logits, aux = out if isinstance(out, tuple) else (out, 0.0)
     targets = tokens[:, 1:]  # (B, T)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    return losses.mean() + aux, jnp.asarray(targets.size, jnp.int32)
+    return cross_entropy(logits, targets).mean() + aux, jnp.asarray(targets.size, jnp.int32)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``(..., V)`` logits, ``(...)`` int targets -> ``(...)`` float32 cross-entropy.
+
+    The target logit is picked with a compare-and-sum over the vocabulary, not a gather, so a
+    vocabulary split over devices (tensor parallelism) needs only reductions. (A gather of
+    vocab-sharded logits inside a pipeline stage with data and tensor axes aborts XLA's SPMD
+    partitioner in jax 0.10.2.)
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
+    picked = jnp.sum(jnp.where(targets[..., None] == vocab, logits, 0.0), axis=-1)
+    return jax.nn.logsumexp(logits, axis=-1) - picked
 
 
 def mse_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -125,7 +141,11 @@ class Trainer:
         (:func:`shardkit.rules.tensor_sequence_parallel`).
       microbatches: split each batch into this many microbatches and accumulate their
         gradients inside the compiled step (``lax.scan``): the same update as the whole batch in
-        one pass, with the activations of one microbatch alive at a time.
+        one pass, with the activations of one microbatch alive at a time. With a ``stage`` axis
+        these are the microbatches that flow through the pipeline.
+      schedule: pipeline schedule when the layout has ``stage`` > 1: ``"1f1b"`` (default) or
+        ``"gpipe"`` (see :mod:`shardkit.parallel.schedule`). The model must say how it splits
+        into stages (:class:`shardkit.model.Stages`; GPT does).
       devices: the devices to use (default: all of ``jax.devices()``).
 
     Example:
@@ -152,6 +172,7 @@ class Trainer:
         microbatches: int = 1,
         nonfinite: str | None = None,
         sequence_parallel: bool = False,
+        schedule: str | None = None,
         devices: Sequence[jax.Device] | None = None,
     ) -> None:
         if not isinstance(optimizer, optax.GradientTransformation):
@@ -179,6 +200,7 @@ class Trainer:
             self.rules = self.rules + tensor_sequence_parallel()
         self.batch_axes = dict(batch_axes or {})
         self.fallbacks: list[Fallback] = []
+        self.schedule: Schedule | None = self._pipeline_schedule(schedule)
 
         self.abstract_params = abstract_params = model.abstract_params()  # eval_shape once
         self.param_specs = specs_for(
@@ -202,6 +224,38 @@ class Trainer:
         self.state_shardings: TrainState = named(self.state_specs, self.mesh)
         self._compiled: dict[Any, jax.stages.Compiled] = {}
         self._init = jax.jit(self._init_fn, static_argnums=0, out_shardings=self.state_shardings)
+
+    def _pipeline_schedule(self, name: str | None) -> Schedule | None:
+        """The pipeline schedule when the layout has stages; every misfit is reported here,
+        before anything is traced."""
+        p = dict(self.mesh.shape).get("stage", 1)
+        if p == 1:
+            if name is not None:
+                raise ShardkitError(
+                    f"schedule={name!r} needs pipeline stages, but layout {self.layout.spec()} has stage=1. "
+                    "Fix: add stage=N to the layout, or drop the schedule."
+                )
+            return None
+        stages = self.model.stages
+        if stages is None:
+            raise ShardkitError(
+                f"Layout {self.layout.spec()} pipelines the model over {p} stages, but model {self.model.name} "
+                "does not say how it splits into stages. Fix: build it with sk.from_nnx(..., stacked_layers=...) "
+                "(GPTConfig(scan_layers=True).model() does), or drop stage from the layout."
+            )
+        if stages.n_layers % p:
+            divisors = [d for d in range(1, stages.n_layers + 1) if stages.n_layers % d == 0]
+            raise ShardkitError(
+                f"Model {self.model.name} has {stages.n_layers} layers: they do not divide into stage={p} "
+                f"stages. Fix: use stage= one of {divisors}, or a layer count that is a multiple of {p}."
+            )
+        for axis in ("sequence", "expert"):
+            if dict(self.mesh.shape).get(axis, 1) > 1:
+                raise ShardkitError(
+                    f"Layout {self.layout.spec()} combines stage with {axis}>1, which shardkit does not "
+                    f"pipeline yet. Fix: use stage with data, fsdp and tensor only, or drop stage."
+                )
+        return make_schedule(name or "1f1b", p, self.microbatches)
 
     # -- state --------------------------------------------------------------------------------
     def _updated_copy(self, params: Params) -> Params:
@@ -291,21 +345,73 @@ class Trainer:
         (loss, count), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         return loss, count, grads
 
-    def _accumulated_grads(self, params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
-        """Mean loss and gradients over ``microbatches`` slices of the batch, one at a time."""
+    def _microbatches(self, batch: Batch) -> dict[str, jax.Array]:
+        """``(B, ...) -> (K, B/K, ...)`` for every entry, microbatch ``i`` taking every K-th row
+        from ``i``: each device keeps its own rows and no data moves; the rows stay sharded like
+        the batch."""
         k = self.microbatches
-        if k == 1:
-            return self._grads(params, batch, key)
         batch_specs = self.batch_specs(batch)
 
         def split(name: str, x: jax.Array) -> jax.Array:
-            # (B, ...) -> (K, B/K, ...) taking every K-th row, so each device keeps its own rows
-            # and no data moves; the microbatch rows stay sharded like the batch.
             micro = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
             spec = PartitionSpec(None, *batch_specs[name])
             return jax.lax.with_sharding_constraint(micro, NamedSharding(self.mesh, spec))
 
-        micro = {name: split(name, x) for name, x in batch.items()}
+        return {name: split(name, x) for name, x in batch.items()}
+
+    def _pipeline_grads(self, params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
+        """Mean loss and gradients over the microbatches, the layers pipelined over ``stage``.
+
+        Microbatch ``i`` draws dropout bits from ``fold_in(key, i)``, as gradient accumulation
+        does, so a pipelined step equals an accumulated one bit for bit in what it draws.
+        """
+        stages, schedule = self.model.stages, self.schedule
+        p, m = schedule.stages, schedule.microbatches
+        per_stage = stages.n_layers // p
+        micro = self._microbatches(batch)
+        micro[_KEY] = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(key, i)))(jnp.arange(m))
+        layer_params = params[stages.layers]
+        shared = {k: v for k, v in params.items() if k != stages.layers}
+
+        def stage_loss(lp: Any, sp: Any, x_in: jax.Array, mb: Batch, stage: jax.Array, i: jax.Array) -> Any:
+            mb = dict(mb)
+            mb_key = jax.random.wrap_key_data(mb.pop(_KEY))
+            full = self.precision.cast_for_compute({**sp, stages.layers: lp})
+            held: dict[str, jax.Array] = {}
+
+            def forward(inputs: Any) -> Any:
+                x = jnp.where(stage == 0, stages.embed(full, inputs, mb_key), x_in)
+                held["x"], held["aux"] = stages.body(full, x, mb_key, stage * per_stage)
+                return stages.head(full, held["x"])
+
+            loss, count = self.loss(forward, mb)
+            return held["x"], jnp.where(stage == p - 1, loss, 0.0) + held["aux"], count
+
+        def entering(params: Params, mb: Batch) -> jax.Array:
+            full, held = self.precision.cast_for_compute(params), {}
+
+            def forward(inputs: Any) -> Any:
+                held["x"] = stages.embed(full, inputs, None)
+                return stages.head(full, held["x"])
+
+            self.loss(forward, mb)
+            return held["x"]
+
+        first = {k: v[0] for k, v in micro.items() if k != _KEY}
+        boundary = jax.eval_shape(entering, params, first)
+        loss, count, g_layers, g_shared = pipeline_value_and_grad(
+            stage_loss, layer_params, shared, micro, boundary, schedule, self.mesh
+        )
+        return loss, count, {**g_shared, stages.layers: g_layers}
+
+    def _accumulated_grads(self, params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
+        """Mean loss and gradients over ``microbatches`` slices of the batch, one at a time."""
+        k = self.microbatches
+        if self.schedule is not None:
+            return self._pipeline_grads(params, batch, key)
+        if k == 1:
+            return self._grads(params, batch, key)
+        micro = self._microbatches(batch)
         accumulate_shardings = self.state_shardings.params
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         zeros = jax.lax.with_sharding_constraint(zeros, accumulate_shardings)

@@ -111,7 +111,12 @@ class GPTConfig:
           >>> model = GPTConfig.preset("tiny").model()
         """
         info = {"layers": self.n_layers, "dim": self.dim, "matmul_params": self.num_params() - self.vocab * self.dim}
-        return from_nnx(lambda rngs: GPT(self, rngs=rngs), name=name or "GPT", info=info)
+        return from_nnx(
+            lambda rngs: GPT(self, rngs=rngs),
+            name=name or "GPT",
+            info=info,
+            stacked_layers="blocks" if self.scan_layers else None,
+        )
 
     def num_params(self) -> int:
         """Parameter count (embedding and untied output head included)."""
@@ -278,17 +283,43 @@ class GPT(nnx.Module):
         self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, p, rngs)
         self.lm_head = _param(rngs, nnx.initializers.lecun_normal(), (cfg.dim, cfg.vocab), ("embed", "vocab"), p)
 
-    def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+    def _keys(self, key: jax.Array | None) -> jax.Array | None:
+        """Dropout keys: one per layer, then one for the embedding; None when dropout is off."""
+        if key is None or self.cfg.dropout == 0.0:
+            return None
+        return jax.random.split(key, self.cfg.n_layers + 1)
+
+    def embed_inputs(self, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        """``(B, T)`` tokens -> ``(B, T, D)`` embeddings (with dropout when ``key`` is given)."""
         cfg = self.cfg
         dt = self.embed[...].dtype if cfg.dtype is None else jnp.dtype(cfg.dtype)
-        keys = None if rngs is None or cfg.dropout == 0.0 else jax.random.split(rngs.dropout(), cfg.n_layers + 1)
+        keys = self._keys(key)
         # Gather the table's embed dimension first (what FSDP does for every weight), so the
         # lookup is a vocab-parallel gather rather than a reshard of the (B, T, D) activations.
         with jax.named_scope("embed"):
             table = constrain(self.embed[...], ("vocab", None))  # (V, D)
             x = jnp.take(table, tokens, axis=0).astype(dt)  # (B, T, D)
-        x = constrain(_dropout(x, cfg.dropout, None if keys is None else keys[-1]), ("batch", "seq", "embed"))
+        return constrain(_dropout(x, cfg.dropout, None if keys is None else keys[-1]), ("batch", "seq", "embed"))
+
+    def run_layers(
+        self, x: jax.Array, key: jax.Array | None = None, first_layer: int | jax.Array = 0
+    ) -> tuple[jax.Array, jax.Array]:
+        """Run the layers this module holds (all of them, or one pipeline stage's slice).
+
+        Args:
+          x: ``(B, T, D)`` activations.
+          key: the dropout key of the whole model; layer ``first_layer + j`` uses its own share.
+          first_layer: the number of the first layer held here (a pipeline stage's offset).
+
+        Returns:
+          ``((B, T, D), weighted load-balancing loss of these layers)`` (0 for a dense MLP).
+        """
+        cfg = self.cfg
+        keys = self._keys(key)
         if cfg.scan_layers:
+            held = jax.tree.leaves(nnx.state(self.blocks, nnx.Param))[0].shape[0]
+            if keys is not None:
+                keys = jax.lax.dynamic_slice_in_dim(keys, first_layer, held)
 
             @nnx.scan(
                 in_axes=(nnx.Carry, 0, 0 if keys is not None else None),
@@ -298,17 +329,25 @@ class GPT(nnx.Module):
             def run(x: jax.Array, block: Block, key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
                 return _layer(block, x, key, cfg.remat)
 
-            x, aux = run(x, self.blocks, None if keys is None else keys[:-1])  # (B, T, D), (L,)
+            x, aux = run(x, self.blocks, keys)  # (B, T, D), (layers,)
         else:
             aux = []
             for i, block in enumerate(self.blocks):
                 x, layer_aux = _layer(block, x, None if keys is None else keys[i], cfg.remat, f"layer_{i}")
                 aux.append(layer_aux)
             aux = jnp.stack(aux)  # (L,)
+        return x, cfg.aux_loss_weight * aux.sum() / cfg.n_layers
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """``(B, T, D)`` -> ``(B, T, V)`` logits: final norm and output projection."""
+        dt = self.embed[...].dtype if self.cfg.dtype is None else jnp.dtype(self.cfg.dtype)
         x = self.final_norm(x)
         with jax.named_scope("lm_head"):
             logits = x @ self.lm_head[...].astype(dt)  # (B, T, V)
-        logits = constrain(logits, ("batch", "seq", "vocab"))
-        if cfg.n_experts:
-            return logits, cfg.aux_loss_weight * aux.mean()
-        return logits
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+    def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+        key = None if rngs is None else rngs.dropout()
+        x, aux = self.run_layers(self.embed_inputs(tokens, key), key)
+        logits = self.head(x)
+        return (logits, aux) if self.cfg.n_experts else logits

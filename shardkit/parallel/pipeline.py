@@ -1,0 +1,169 @@
+"""Pipeline parallelism: the layer stack split into stages over the ``stage`` mesh axis.
+
+Layout: the stacked layer parameters (leading ``layers`` dimension, ``L``) are sharded over
+``stage``, so stage ``s`` holds layers ``[s L/p, (s+1) L/p)`` and their optimizer state; the
+other parameters (embedding, head) are replicated over ``stage``. Every other mesh axis shards
+as the rules say, inside the stages too.
+
+Execution: one ``jax.shard_map`` island, manual over ``stage`` only (data, fsdp and tensor stay
+automatic inside, so XLA still emits their collectives), runs a :class:`~shardkit.parallel.
+schedule.Schedule` tick by tick. In a tick each stage runs its forward slot and/or backward slot
+on the microbatch the table names; an idle slot is computed and discarded, which costs nothing
+in lock step (the tick lasts as long as the busiest stage). After the forward slots activations
+move one stage down, after the backward slots their gradients one stage up (``ppermute``).
+
+The backward slot recomputes the stage's forward from the stashed stage input (``jax.vjp``), so
+a stage keeps only the inputs of its microbatches in flight (``Schedule.stash`` of them) plus
+one microbatch's intermediate activations; gradients accumulate in float32 as they come.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from shardkit.parallel.schedule import Phase, Schedule
+
+# (layer_params, shared_params, x_in, microbatch, stage, index) -> (x_out, loss, count)
+StageLoss = Callable[[Any, Any, jax.Array, Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def pipeline_value_and_grad(
+    stage_loss: StageLoss,
+    layer_params: Any,
+    shared_params: Any,
+    micro: Any,
+    boundary: jax.ShapeDtypeStruct,
+    schedule: Schedule,
+    mesh: Mesh,
+    axis: str = "stage",
+) -> tuple[jax.Array, jax.Array, Any, Any]:
+    """Mean loss over microbatches and its gradients, computed by a pipeline over ``axis``.
+
+    Args:
+      stage_loss: what one stage computes for one microbatch:
+        ``(layer_params, shared_params, x_in, microbatch, stage, index) -> (x_out, loss, count)``.
+        ``layer_params`` are this stage's layers (leading dimension ``L/p``); ``x_in`` is the
+        previous stage's ``x_out`` (zeros on stage 0, which starts from the microbatch itself);
+        ``loss`` is this stage's share of the microbatch loss (the head's loss on the last
+        stage, auxiliary losses anywhere); ``count`` is read on the last stage only.
+      layer_params: tree of arrays with a leading layer dimension ``L``, sharded over ``axis``.
+      shared_params: tree of arrays every stage needs (replicated over ``axis``).
+      micro: tree of arrays with a leading microbatch dimension ``m``.
+      boundary: shape and dtype of ``x_out`` (the activation passed between stages).
+      schedule: the table to run (``schedule.stages`` must equal the size of ``axis``).
+      mesh: the device mesh.
+      axis: the mesh axis of the stages.
+
+    Returns:
+      ``(mean loss, total count, gradients of layer_params, gradients of shared_params)``,
+      gradients in float32, of the mean loss over the ``m`` microbatches.
+
+    Example:
+      >>> def stage_loss(w, _, x, mb, stage, i):  # each stage multiplies by its weight
+      ...     x = jnp.where(stage == 0, mb, x) * w[0]
+      ...     return x, jnp.where(stage == 1, x.sum(), 0.0), jnp.int32(1)
+      >>> mesh = sk.Layout.parse("stage=2").make_mesh(jax.devices()[:2])
+      >>> loss, count, gw, _ = pipeline_value_and_grad(
+      ...     stage_loss, jnp.array([2.0, 3.0]), {}, jnp.ones((4, 1)),
+      ...     jax.ShapeDtypeStruct((1,), jnp.float32), make_schedule("1f1b", 2, 4), mesh)
+      >>> float(loss), gw.tolist()
+      (6.0, [3.0, 2.0])
+    """
+    p, m = schedule.stages, schedule.microbatches
+    if dict(mesh.shape).get(axis) != p:
+        raise ValueError(f"schedule for {p} stages on a mesh whose {axis!r} axis has {dict(mesh.shape).get(axis)}")
+
+    def island(layers: Any, shared: Any, micro: Any) -> tuple[jax.Array, jax.Array, Any, Any]:
+        stage = jax.lax.axis_index(axis)
+        # Differentiate with respect to a per-stage copy of the shared parameters: a cotangent
+        # of a stage-invariant input would be summed over stages at every tick, mixing
+        # microbatches (and bubbles) of different stages; we sum once, at the end.
+        shared = jax.tree.map(lambda a: jax.lax.pcast(a, (axis,), to="varying"), shared)
+        down = [(s, s + 1) for s in range(p - 1)]
+        up = [(s + 1, s) for s in range(p - 1)]
+
+        def take(tree: Any, i: jax.Array) -> Any:
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+        def keep_if(valid: jax.Array, new: Any, old: Any) -> Any:
+            return jax.tree.map(lambda n, o: jnp.where(valid, n, o), new, old)
+
+        def forward_slot(carry: dict[str, Any], i: jax.Array) -> dict[str, Any]:
+            valid, i = i >= 0, jnp.maximum(i, 0)
+            x_in = carry["x_recv"]
+            x_out, _, _ = stage_loss(layers, shared, x_in, take(micro, i), stage, i)
+            slot = i % schedule.stash
+            old = jax.lax.dynamic_index_in_dim(carry["stash"], slot, keepdims=False)
+            stash = jax.lax.dynamic_update_index_in_dim(carry["stash"], jnp.where(valid, x_in, old), slot, 0)
+            return carry | {"stash": stash, "x_recv": jax.lax.ppermute(x_out, axis, down)}
+
+        def backward_slot(carry: dict[str, Any], i: jax.Array) -> dict[str, Any]:
+            valid, i = i >= 0, jnp.maximum(i, 0)
+            x_in = jax.lax.dynamic_index_in_dim(carry["stash"], i % schedule.stash, keepdims=False)
+            mb = take(micro, i)
+
+            def run(lp: Any, sp: Any, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+                x_out, loss, count = stage_loss(lp, sp, x, mb, stage, i)
+                return (x_out, loss), count
+
+            (_, loss), vjp, count = jax.vjp(run, layers, shared, x_in, has_aux=True)
+            seed = jax.lax.pcast(jnp.asarray(1.0 / m, loss.dtype), (axis,), to="varying")
+            g_layers, g_shared, dx = vjp((carry["dx_recv"], seed))
+
+            def add(acc: Any, g: Any) -> Any:
+                return keep_if(valid, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g), acc)
+
+            last = valid & (stage == p - 1)
+            return carry | {
+                "g_layers": add(carry["g_layers"], g_layers),
+                "g_shared": add(carry["g_shared"], g_shared),
+                "loss": carry["loss"] + jnp.where(valid, loss.astype(jnp.float32), 0.0),
+                "count": carry["count"] + jnp.where(last, count, 0).astype(jnp.int32),
+                "dx_recv": jax.lax.ppermute(dx, axis, up),
+            }
+
+        def run_phase(carry: dict[str, Any], phase: Phase) -> dict[str, Any]:
+            def tick(carry: dict[str, Any], row: tuple[jax.Array, jax.Array]) -> tuple[dict[str, Any], None]:
+                fwd, bwd = row
+                if "F" in phase.kind:
+                    carry = forward_slot(carry, fwd[stage])
+                if "B" in phase.kind:
+                    carry = backward_slot(carry, bwd[stage])
+                return carry, None
+
+            rows = (jnp.asarray(phase.forward, jnp.int32), jnp.asarray(phase.backward, jnp.int32))
+            return jax.lax.scan(tick, carry, rows)[0]
+
+        zeros_f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+        carry = {
+            "x_recv": jnp.zeros(boundary.shape, boundary.dtype),
+            "dx_recv": jnp.zeros(boundary.shape, boundary.dtype),
+            "stash": jnp.zeros((schedule.stash, *boundary.shape), boundary.dtype),
+            "g_layers": zeros_f32(layers),
+            "g_shared": zeros_f32(shared),
+            "loss": jnp.zeros((), jnp.float32),
+            "count": jnp.zeros((), jnp.int32),
+        }
+        # Every stage's carry differs from the others' (scan needs that said up front).
+        carry = jax.tree.map(lambda a: jax.lax.pcast(a, (axis,), to="varying"), carry)
+        for phase in schedule.phases:
+            carry = run_phase(carry, phase)
+        loss = jax.lax.psum(carry["loss"], axis) / m
+        count = jax.lax.psum(carry["count"], axis)
+        return loss, count, carry["g_layers"], jax.lax.psum(carry["g_shared"], axis)
+
+    stage_spec = jax.tree.map(lambda _: PartitionSpec(axis), layer_params)
+    everywhere = lambda tree: jax.tree.map(lambda _: PartitionSpec(), tree)
+    run = jax.shard_map(
+        island,
+        mesh=mesh,
+        in_specs=(stage_spec, everywhere(shared_params), everywhere(micro)),
+        out_specs=(PartitionSpec(), PartitionSpec(), stage_spec, everywhere(shared_params)),
+        axis_names={axis},
+    )
+    return run(layer_params, shared_params, micro)
