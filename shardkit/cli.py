@@ -10,6 +10,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from shardkit.parallel.schedule import SCHEDULES
+
 DEFAULT_SIMULATED_DEVICES = 8
 
 
@@ -55,7 +57,13 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
         help="simulated CPU devices when no GPU is present (default 8)",
     )
     p.add_argument("--precision", default=d.precision, help="fp32, bf16 or bf16-master")
-    p.add_argument("--microbatches", type=int, default=d.microbatches, help="gradient accumulation steps")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=d.microbatches,
+        help="gradient accumulation steps; with stage>1, the microbatches in the pipeline",
+    )
+    p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule, help="pipeline schedule (default 1f1b)")
     p.add_argument("--remat", default=d.remat, help="none, full, dots, dots_no_batch")
     p.add_argument(
         "--nonfinite",
@@ -80,7 +88,8 @@ def _plan_arguments(p: argparse.ArgumentParser, default_layout: str) -> None:
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's max_seq)")
     p.add_argument("--precision", choices=sorted(POLICIES), default="fp32")
-    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--microbatches", type=int, default=1, help="accumulation steps, or pipeline microbatches")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None, help="pipeline schedule (stage>1; default 1f1b)")
     p.add_argument("--remat", default="none", help="none, full, dots, dots_no_batch")
     p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
     p.add_argument("--unrolled", action="store_true", help="unroll the layer stack instead of scanning it")
@@ -97,6 +106,7 @@ def _dryrun_config(args: argparse.Namespace):
         seq=args.seq,
         precision=args.precision,
         microbatches=args.microbatches,
+        schedule=args.schedule,
         remat=args.remat,
         scan_layers=not args.unrolled,
         n_layers=args.layers,
@@ -184,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 checkpoint_every=args.checkpoint_every,
                 keep_checkpoints=args.keep_checkpoints,
                 sequence_parallel=args.sequence_parallel,
+                schedule=args.schedule,
             )
             train(cfg)
         elif args.command == "plan":

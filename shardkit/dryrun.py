@@ -39,6 +39,7 @@ class DryRunConfig:
     seq: int | None = None  # default: the model's max_seq
     precision: str = "fp32"
     microbatches: int = 1
+    schedule: str | None = None  # pipeline schedule with stage > 1 (default 1f1b)
     remat: str = "none"
     scan_layers: bool = True
     n_layers: int | None = None  # override the preset's depth (compile-time studies)
@@ -67,6 +68,8 @@ class DryRunConfig:
         args += ["--precision", self.precision, "--microbatches", str(self.microbatches), "--remat", self.remat]
         if self.seq is not None:
             args += ["--seq", str(self.seq)]
+        if self.schedule is not None:
+            args += ["--schedule", self.schedule]
         if not self.scan_layers:
             args += ["--unrolled"]
         if self.n_layers is not None:
@@ -88,6 +91,7 @@ def trainer_for(cfg: DryRunConfig) -> tuple[Trainer, dict[str, jax.ShapeDtypeStr
         cfg.layout,
         precision=cfg.precision,
         microbatches=cfg.microbatches,
+        schedule=cfg.schedule,
     )
     return trainer, {"tokens": jax.ShapeDtypeStruct((cfg.batch, seq + 1), jnp.int32)}
 

@@ -49,6 +49,7 @@ class TrainConfig:
     remat: str = "none"
     nonfinite: str = "skip"
     sequence_parallel: bool = False
+    schedule: str | None = None  # pipeline schedule with stage > 1 (default 1f1b)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
@@ -131,6 +132,7 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
         microbatches=cfg.microbatches,
         nonfinite=cfg.nonfinite,
         sequence_parallel=cfg.sequence_parallel,
+        schedule=cfg.schedule,
     )
     ckpt = (
         Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)

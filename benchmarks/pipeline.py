@@ -1,0 +1,146 @@
+"""Pipeline bubble and memory: measured against (p-1)/(m+p-1), and 1F1B against GPipe as m grows.
+
+Bubble: for each stage count p, the GPT's train step is compiled and timed for several
+microbatch counts m at a fixed microbatch size. One more microbatch adds one tick of useful work
+to every stage, so the slope of step time in m is the time of one microbatch's work, and
+``bubble(m) = 1 - m * slope / time(m)`` is the measured idle fraction (it also counts what the
+step does outside the pipeline: the optimizer update, the sum of the shared gradients). The same
+is done with the matmul FLOPs each device executes in the compiled program (from its HLO, loop
+trip counts included), which no machine noise touches.
+
+Memory: the compiled memory analysis's temporary bytes per device for GPipe and 1F1B as m grows
+(microbatch size fixed): GPipe keeps the stage input of every microbatch, 1F1B at most 2p-1.
+
+    python benchmarks/pipeline.py                              # 8 simulated CPU devices
+    python benchmarks/pipeline.py --quick --json /tmp/pipe.json
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+from _results import write_json
+
+import shardkit as sk
+
+if "--gpu" not in sys.argv:
+    sk.simulate_devices(8)
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from shardkit import hlo
+
+
+def trainer_for(cfg, p, m, schedule, rows):
+    trainer = sk.Trainer(
+        cfg.model(), optax.sgd(1e-3), f"stage={p}", microbatches=m, schedule=schedule, devices=jax.devices()[:p]
+    )
+    return trainer, {"tokens": jax.ShapeDtypeStruct((rows * m, cfg.max_seq + 1), jnp.int32)}
+
+
+def step_seconds(trainer, batch_shape, repeats):
+    """Median wall time of one compiled step on real tokens."""
+    tokens = jax.random.randint(jax.random.key(0), batch_shape["tokens"].shape, 0, 256, jnp.int32)
+    batch = trainer.shard_batch({"tokens": tokens})
+    state = trainer.init(0)
+    state, metrics = trainer.step(state, batch)  # compile and warm up
+    jax.block_until_ready(metrics["loss"])
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        state, metrics = trainer.step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measured_bubble(ms, values):
+    """Idle fraction at each m from a straight-line fit value = slope * m + rest."""
+    slope, rest = np.polyfit(ms, values, 1)
+    return [1.0 - m * slope / v for m, v in zip(ms, values)]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rows", type=int, default=8, help="sequences per microbatch")
+    parser.add_argument("--stages", default="2,4")
+    parser.add_argument("--microbatches", default="1,2,4,8")
+    parser.add_argument("--memory-microbatches", default="4,8,16,32")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="a small run (CI)")
+    parser.add_argument("--json", default="benchmarks/results/pipeline.json")
+    parser.add_argument("--gpu", action="store_true", help="use the real devices")
+    args = parser.parse_args()
+    if args.quick:
+        args.layers, args.dim, args.seq, args.rows, args.repeats = 4, 64, 32, 4, 2
+        args.stages, args.microbatches, args.memory_microbatches = "2", "1,2,4", "2,4,8"
+    cfg = sk.models.GPTConfig.preset(
+        "tiny", dim=args.dim, n_layers=args.layers, mlp_dim=3 * args.dim, max_seq=args.seq, n_heads=8, n_kv_heads=4
+    )
+    stages = [int(x) for x in args.stages.split(",")]
+    ms = [int(x) for x in args.microbatches.split(",")]
+
+    print(f"GPT dim={cfg.dim} layers={cfg.n_layers} seq={args.seq}, "
+          f"{args.rows} sequences per microbatch, 1F1B, {jax.devices()[0].platform}")
+    bubble_rows = []
+    print(f"{'p':>3} {'m':>3} {'step s':>8} {'bubble (time)':>14} {'bubble (HLO flops)':>19} {'(p-1)/(m+p-1)':>14}")
+    for p in stages:
+        seconds, flops = [], []
+        for m in ms:
+            trainer, shape = trainer_for(cfg, p, m, "1f1b", args.rows)
+            flops.append(hlo.dot_flops(trainer.compile(shape).as_text()))
+            seconds.append(step_seconds(trainer, shape, args.repeats))
+        for m, s, bt, bf in zip(ms, seconds, measured_bubble(ms, seconds), measured_bubble(ms, flops)):
+            formula = (p - 1) / (m + p - 1)
+            bubble_rows.append(
+                {"stages": p, "microbatches": m, "step_seconds": s, "bubble_time": bt, "bubble_flops": bf,
+                 "formula": formula}
+            )
+            print(f"{p:3d} {m:3d} {s:8.4f} {bt:14.3f} {bf:19.3f} {formula:14.3f}")
+
+    p = max(stages)
+    mem_ms = [int(x) for x in args.memory_microbatches.split(",")]
+    memory_rows = []
+    print(f"\ntemporary memory per device, p={p} (compiled memory analysis)")
+    print(f"{'m':>4} {'GPipe MB':>10} {'1F1B MB':>10} {'1F1B stash':>11}")
+    for m in mem_ms:
+        row = {"stages": p, "microbatches": m}
+        for schedule in ("gpipe", "1f1b"):
+            trainer, shape = trainer_for(cfg, p, m, schedule, args.rows)
+            row[schedule] = trainer.compile(shape).memory_analysis().temp_size_in_bytes
+            row[f"{schedule}_stash"] = trainer.schedule.stash
+        memory_rows.append(row)
+        print(f"{m:4d} {row['gpipe'] / 1e6:10.2f} {row['1f1b'] / 1e6:10.2f} {row['1f1b_stash']:11d}")
+
+    worst_time = max(abs(r["bubble_time"] - r["formula"]) for r in bubble_rows)
+    worst_flops = max(abs(r["bubble_flops"] - r["formula"]) for r in bubble_rows)
+    first, last = memory_rows[0], memory_rows[-1]
+    one_f_one_b_growth = last["1f1b"] / first["1f1b"]
+    gpipe_growth = last["gpipe"] / first["gpipe"]
+    print(f"\nbubble: largest gap to the formula {worst_time:.3f} (time), {worst_flops:.3f} (HLO); goal <= 0.05")
+    print(f"memory m={first['microbatches']} -> {last['microbatches']}: GPipe x{gpipe_growth:.2f}, "
+          f"1F1B x{one_f_one_b_growth:.2f} (goal: 1F1B flat, GPipe growing)")
+    write_json(
+        args.json,
+        {
+            "model": {"dim": cfg.dim, "layers": cfg.n_layers, "seq": args.seq, "rows_per_microbatch": args.rows},
+            "platform": jax.devices()[0].platform,
+            "bubble": bubble_rows,
+            "memory": memory_rows,
+            "worst_bubble_gap_time": worst_time,
+            "worst_bubble_gap_flops": worst_flops,
+            "gpipe_memory_growth": gpipe_growth,
+            "one_f_one_b_memory_growth": one_f_one_b_growth,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
