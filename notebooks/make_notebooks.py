@@ -235,8 +235,8 @@ PLAN = [
         "for N simulated devices (a dry run, cached on disk), predicts the step time from the compiled matmul "
         "FLOPs and the bytes each mesh axis moves over the link it crosses (NVLink inside a node, InfiniBand "
         "between nodes), drops plans over the memory budget and ranks the rest. To keep this notebook quick the "
-        "search is narrowed: full remat, 4 microbatches, tensor 8 (and 1 on 8 GPUs); `shardkit plan` searches "
-        "the whole space by default.",
+        "search is narrowed: full remat, 4 microbatches, tensor 8 (and 1 on 8 GPUs), no sequence or stage axis; "
+        "`shardkit plan` searches the whole space by default.",
     ),
     (
         "code",
@@ -248,7 +248,7 @@ PLAN = [
         'for model in ["llama2-7b", "llama2-70b"]:\n'
         "    for gpus in [8, 64, 512]:\n"
         "        tensor = (1, 8) if gpus == 8 else (8,)\n"
-        '        options = PlanOptions(remat=("full",), microbatches=(4,), tensor=tensor)\n'
+        '        options = PlanOptions(remat=("full",), microbatches=(4,), tensor=tensor, sequence=(1,), stage=(1,))\n'
         '        results[model, gpus] = plan(model, gpus, "h100", batch=2 * gpus, seq=2048, options=options)\n'
         '        print(format_plans(results[model, gpus], top=5), end="\\n\\n")',
     ),
@@ -285,6 +285,133 @@ PLAN = [
     ),
 ]
 
+PIPELINE = [
+    (
+        "markdown",
+        "# Pipeline, experts and sequence: the layouts with explicit communication\n\n"
+        "Pipeline stages (`stage` axis), ring attention (`sequence` axis) and mixtures of experts "
+        "(`expert` axis) each run a `jax.shard_map` island inside the compiled step, composed with "
+        "the annotated layouts on the other axes. On 8 simulated CPU devices.",
+    ),
+    (
+        "code",
+        "import shardkit as sk\n\nsk.simulate_devices(8)\n\n"
+        "import jax\nimport jax.numpy as jnp\nimport matplotlib.pyplot as plt\nimport optax\n\n"
+        "from shardkit.parallel.schedule import make_schedule\n\n"
+        "data = sk.TextDataset.builtin()",
+    ),
+    (
+        "markdown",
+        "## The pipeline schedules\nEach row is a stage, time runs right; a forward slot (blue) costs 1, "
+        "a backward slot (orange) 2. Grey is the bubble: (p-1)/(m+p-1) of the step for both "
+        "schedules. 1F1B starts each microbatch's backward as soon as it can, so a stage holds at "
+        "most 2(p-s)-1 microbatch inputs instead of all m.",
+    ),
+    (
+        "code",
+        "def draw(schedule, ax, fwd=1.0, bwd=2.0):\n"
+        "    t = 0.0\n"
+        "    for kind, f, b in schedule.rows():\n"
+        "        width = fwd * ('F' in kind) + bwd * ('B' in kind)\n"
+        "        for s in range(schedule.stages):\n"
+        "            ax.add_patch(plt.Rectangle((t, s), width, 0.9, color='0.85'))\n"
+        "            if f[s] >= 0:\n"
+        "                ax.add_patch(plt.Rectangle((t, s), fwd, 0.9, color='tab:blue'))\n"
+        "                ax.text(t + fwd / 2, s + 0.45, f[s], ha='center', va='center', color='w', fontsize=7)\n"
+        "            if b[s] >= 0:\n"
+        "                x0 = t + fwd * ('F' in kind)\n"
+        "                ax.add_patch(plt.Rectangle((x0, s), bwd, 0.9, color='tab:orange'))\n"
+        "                ax.text(x0 + bwd / 2, s + 0.45, b[s], ha='center', va='center', fontsize=7)\n"
+        "        t += width\n"
+        "    ax.set_xlim(0, t); ax.set_ylim(schedule.stages, 0)\n"
+        "    ax.set_yticks([s + 0.45 for s in range(schedule.stages)], [f'stage {s}' for s in range(schedule.stages)])\n"
+        "    ax.set_title(f'{schedule.name}: p={schedule.stages}, m={schedule.microbatches}, '\n"
+        "                 f'bubble {schedule.bubble():.3f}, holds up to {schedule.stash} microbatches')\n\n"
+        "fig, axes = plt.subplots(2, 1, figsize=(11, 4.5))\n"
+        "for ax, name in zip(axes, ['gpipe', '1f1b']):\n"
+        "    draw(make_schedule(name, 4, 8), ax)\n"
+        "axes[1].set_xlabel('time (forward slot = 1)')\n"
+        "plt.tight_layout(); plt.show()\n"
+        "print(make_schedule('1f1b', 4, 8).format())",
+    ),
+    (
+        "markdown",
+        "## Train a pipelined GPT\n2 stages x 2-way data x 2-way tensor parallelism, 4 microbatches, 1F1B. "
+        "Each stage holds half the layers (and their optimizer state); the loss is the one a single "
+        "device computes.",
+    ),
+    (
+        "code",
+        'cfg = sk.models.GPTConfig.preset("tiny", n_layers=4)\n'
+        'pipelined = sk.Trainer(cfg.model(), optax.adamw(3e-3), "stage=2,data=2,tensor=2", microbatches=4, '
+        'schedule="1f1b")\n'
+        'one_device = sk.Trainer(cfg.model(), optax.adamw(3e-3), "data=1", devices=jax.devices()[:1])\n'
+        "state, ref_state = pipelined.init(0), one_device.init(0)\n"
+        "losses, ref_losses = [], []\n"
+        "for step in range(30):\n"
+        "    tokens = data.batch(step, batch_size=16, seq_len=64)\n"
+        "    state, metrics = pipelined.step(state, pipelined.shard_batch(tokens))\n"
+        "    ref_state, ref_metrics = one_device.step(ref_state, one_device.shard_batch(tokens))\n"
+        '    losses.append(float(metrics["loss"])); ref_losses.append(float(ref_metrics["loss"]))\n'
+        'print(f"pipelined loss {losses[0]:.4f} -> {losses[-1]:.4f}; one device {ref_losses[0]:.4f} -> '
+        '{ref_losses[-1]:.4f}")\n'
+        "assert abs(losses[0] - ref_losses[0]) < 1e-4 and losses[-1] < losses[0] - 1.0\n"
+        'plt.plot(losses, label="stage=2,data=2,tensor=2 (1F1B)"); plt.plot(ref_losses, "--", label="one device")\n'
+        'plt.xlabel("step"); plt.ylabel("loss"); plt.legend(); plt.show()',
+    ),
+    (
+        "code",
+        "# What the compiler did: activations and gradients hop between stages by collective-permute.\n"
+        'report = pipelined.report({"tokens": jax.ShapeDtypeStruct((16, 65), jnp.int32)})\n'
+        "print(report.table())",
+    ),
+    (
+        "markdown",
+        "## Memory per device against sequence length, with and without context parallelism\n"
+        "Same global batch (8 sequences): `data=8` gives each device whole sequences and plain "
+        "attention; `sequence=8` gives each device an eighth of every sequence and ring attention. "
+        "Same tokens per device, but the attention scores of a device fall from T^2 to T^2/8.",
+    ),
+    (
+        "code",
+        'small = sk.models.GPTConfig.preset("tiny", max_seq=2048)\n'
+        "lengths = [256, 512, 1024, 2048]\n"
+        "memory = {}\n"
+        'for layout in ["data=8", "sequence=8"]:\n'
+        "    trainer = sk.Trainer(small.model(), optax.adamw(1e-3), layout)\n"
+        "    memory[layout] = [\n"
+        '        trainer.compile({"tokens": jax.ShapeDtypeStruct((8, t + 1), jnp.int32)}).memory_analysis().temp_size_in_bytes\n'
+        "        for t in lengths\n"
+        "    ]\n"
+        "for layout, values in memory.items():\n"
+        '    plt.plot(lengths, [v / 1e6 for v in values], "o-", label=layout)\n'
+        'plt.xscale("log", base=2); plt.yscale("log"); plt.xlabel("sequence length"); '
+        'plt.ylabel("temporary MB per device"); plt.legend(); plt.show()\n'
+        'ratio = memory["data=8"][-1] / memory["sequence=8"][-1]\n'
+        'print(f"at T={lengths[-1]}: {ratio:.1f}x less memory per device with sequence=8")\n'
+        "assert ratio > 3",
+    ),
+    (
+        "markdown",
+        "## A mixture-of-experts GPT\n4 experts, top-2 routing with capacity factor 1.25, experts split "
+        "over `expert=4`, tokens dispatched by all-to-all; the load-balancing loss is part of the loss.",
+    ),
+    (
+        "code",
+        'moe = sk.models.GPTConfig.preset("tiny", n_experts=4, top_k=2)\n'
+        'trainer = sk.Trainer(moe.model(), optax.adamw(3e-3), "expert=4,data=2")\n'
+        "state = trainer.init(0)\n"
+        "losses = []\n"
+        "for step in range(30):\n"
+        "    state, metrics = trainer.step(state, trainer.shard_batch(data.batch(step, batch_size=16, seq_len=64)))\n"
+        '    losses.append(float(metrics["loss"]))\n'
+        'print(f"MoE loss {losses[0]:.3f} -> {losses[-1]:.3f}")\n'
+        "assert losses[-1] < losses[0] - 1.0\n"
+        'report = trainer.report({"tokens": jax.ShapeDtypeStruct((16, 65), jnp.int32)})\n'
+        'print([(c.kind, c.axes, c.op, c.count) for c in report.collectives if c.kind == "all-to-all"])',
+    ),
+]
+
 
 def build(cells, path):
     nb = nbformat.v4.new_notebook()
@@ -299,5 +426,6 @@ def build(cells, path):
 if __name__ == "__main__":
     build(QUICKSTART, HERE / "01_quickstart.ipynb")
     build(INSPECT, HERE / "02_inspect_and_dryrun.ipynb")
+    build(PIPELINE, HERE / "03_pipeline_experts_sequence.ipynb")
     build(CHECKPOINT, HERE / "04_checkpoint_and_resume.ipynb")
     build(PLAN, HERE / "05_plan.ipynb")

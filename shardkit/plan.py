@@ -1,14 +1,16 @@
 """Plan: choose a layout from what the compiler produces and a model of the hardware.
 
 For a model, a global batch and a sequence length on N devices, the planner enumerates the
-factorisations of N over ``data x fsdp x tensor`` (tensor only inside a node, and only where the
-heads divide), and for each tries remat policies and microbatch counts in order of cost until
-one fits: every candidate is a dry run (compiled for N simulated devices, cached on disk). The
-step time is predicted from the compiled matmul FLOPs at the device's peak and from the bytes
-each mesh axis moves at the bandwidth of the link that axis crosses (NVLink/ICI inside a node,
-InfiniBand/DCN between nodes), with and without overlap of compute and communication.
+factorisations of N over ``data x fsdp x tensor x sequence x stage`` (tensor and sequence only
+inside a node and only where heads and sequence divide; stages only where the layers divide),
+and for each tries remat policies and microbatch counts until one fits: every candidate is a dry
+run (compiled for N simulated devices, cached on disk). The step time is predicted from the
+compiled matmul FLOPs at the device's peak and from the bytes each mesh axis moves at the
+bandwidth of the link that axis crosses (NVLink/ICI inside a node, InfiniBand/DCN between
+nodes), with and without overlap of compute and communication. A pipeline's bubble needs no
+formula here: the lock-step pipeline computes its idle slots, so they are in the compiled FLOPs.
 
-Pipeline, expert and sequence axes join the search once those layouts exist (issue 4).
+The ``expert`` axis is not searched: no GPT preset is a mixture of experts.
 """
 
 from __future__ import annotations
@@ -39,10 +41,16 @@ STATE_BYTES_PER_PARAM = {"fp32": 12, "bf16": 12, "bf16-master": 14}
 
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
-    """The search space. ``tensor=None``: powers of two up to the node size that divide the heads."""
+    """The search space. ``tensor=None``: powers of two up to the node size that divide the heads;
+    ``sequence=None``: 1, 2, 4, 8 where they divide the sequence and fit in a node with tensor;
+    ``stage=None``: 1, 2, 4, 8 where they divide the layers. Pipelines try microbatches most
+    first (the 1F1B bubble shrinks with more and its memory does not grow); others fewest first."""
 
     precision: str = "bf16-master"
     tensor: tuple[int, ...] | None = None
+    sequence: tuple[int, ...] | None = None
+    stage: tuple[int, ...] | None = None
+    schedule: str = "1f1b"
     remat: tuple[str, ...] = ("none", "full")
     microbatches: tuple[int, ...] = (1, 2, 4, 8, 16)
     headroom: float = 0.9  # fraction of device memory a plan may use
@@ -65,8 +73,11 @@ class Plan:
     predicted_mfu: float | None
     note: str = ""
 
+    schedule: str | None = None
+
     def cli_flags(self) -> str:
-        return f"--layout {self.layout} --microbatches {self.microbatches} --remat {self.remat}"
+        flags = f"--layout {self.layout} --microbatches {self.microbatches} --remat {self.remat}"
+        return flags + (f" --schedule {self.schedule}" if self.schedule else "")
 
 
 def axis_links(layout_shape: dict[str, int], hw: Hardware) -> dict[str, str]:
@@ -127,22 +138,37 @@ def _layout_shape(spec: str) -> dict[str, int]:
 
 
 def candidate_layouts(
-    cfg: GPTConfig, devices: int, batch: int, hw: Hardware, options: PlanOptions
+    cfg: GPTConfig, devices: int, batch: int, hw: Hardware, options: PlanOptions, seq: int | None = None
 ) -> list[dict[str, int]]:
-    """Every ``data x fsdp x tensor`` split of the devices that the model and batch allow."""
-    tensors = options.tensor or tuple(t for t in (1, 2, 4, 8, 16) if t <= hw.devices_per_node)
+    """Every ``data x fsdp x tensor x sequence x stage`` split of the devices that the model,
+    the batch and the sequence length ``seq`` allow (``sequence`` and ``stage`` not together),
+    tensor and sequence inside a node."""
+    node = hw.devices_per_node
+    tensors = options.tensor or tuple(t for t in (1, 2, 4, 8, 16) if t <= node)
+    sequences = options.sequence or (1, 2, 4, 8)
+    stages = options.stage or (1, 2, 4, 8)
     out = []
     for t in tensors:
-        if devices % t or t > hw.devices_per_node:
+        if devices % t or t > node or cfg.n_kv_heads % t or cfg.n_heads % t or cfg.mlp_dim % t or cfg.vocab % t:
             continue
-        if cfg.n_kv_heads % t or cfg.n_heads % t or cfg.mlp_dim % t or cfg.vocab % t:
-            continue
-        rest = devices // t
-        for f in (d for d in range(1, rest + 1) if rest % d == 0):
-            d = rest // f
-            if cfg.dim % f or batch % (d * f):
+        for s in sequences:
+            if devices % (t * s) or t * s > node or (s > 1 and (seq is None or seq % s)):
                 continue
-            out.append({"data": d, "fsdp": f, "tensor": t})
+            for p in stages:
+                if (p > 1 and s > 1) or devices % (t * s * p) or cfg.n_layers % p:
+                    continue
+                rest = devices // (t * s * p)
+                for f in (d for d in range(1, rest + 1) if rest % d == 0):
+                    d = rest // f
+                    if cfg.dim % f or batch % (d * f):
+                        continue
+                    shape = {"data": d, "fsdp": f, "tensor": t, "sequence": s, "stage": p}
+                    links = axis_links({**shape, "expert": 1}, hw)
+                    # Stages come after tensor in the mesh order, so t * s * p devices must fit in a
+                    # node or tensor steps between nodes. (Pipelines between nodes with tensor inside
+                    # need across_hosts=stage, not searched yet.)
+                    if links["tensor"] == "intra" and links["sequence"] == "intra":
+                        out.append(shape)
     return out
 
 
@@ -230,9 +256,10 @@ def plan(
     state_per_param = STATE_BYTES_PER_PARAM[precision.name]
     cache = _Cache(cache_dir)
     plans: list[Plan] = []
-    for shape in candidate_layouts(cfg, devices, batch, hw, options):
+    for shape in candidate_layouts(cfg, devices, batch, hw, options, seq):
         spec = _spec(shape)
-        state = cfg.num_params() * state_per_param / (shape["fsdp"] * shape["tensor"])
+        pipelined = shape["stage"] > 1
+        state = cfg.num_params() * state_per_param / (shape["fsdp"] * shape["tensor"] * shape["stage"])
         if state > budget:
             plans.append(
                 Plan(
@@ -252,8 +279,9 @@ def plan(
             )
             continue
         chosen = None
+        counts = sorted(options.microbatches, reverse=pipelined)
         for remat in options.remat:
-            for mb in options.microbatches:
+            for mb in counts:
                 if batch % (shape["data"] * shape["fsdp"] * mb):
                     continue
                 dr = DryRunConfig(
@@ -264,6 +292,7 @@ def plan(
                     precision=precision.name,
                     microbatches=mb,
                     remat=remat,
+                    schedule=options.schedule if pipelined else None,
                 )
                 result = cache.get(dr)
                 if result is None:
@@ -293,6 +322,7 @@ def plan(
                 t["step_seconds"],
                 t["step_seconds_overlap"],
                 t["mfu"],
+                schedule=options.schedule if pipelined else None,
             )
         )
     if not plans:
@@ -349,8 +379,10 @@ def _plan_in_subprocess(
         ",".join(map(str, options.microbatches)),
         "--json",
     ]
-    if options.tensor:
-        cmd += ["--tensor", ",".join(map(str, options.tensor))]
+    for flag, values in (("--tensor", options.tensor), ("--sequence", options.sequence), ("--stage", options.stage)):
+        if values:
+            cmd += [flag, ",".join(map(str, values))]
+    cmd += ["--schedule", options.schedule]
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
     if cache_dir:
         env["SHARDKIT_CACHE"] = str(cache_dir)
@@ -395,18 +427,22 @@ def parse_ints(text: str) -> tuple[int, ...]:
         raise ShardkitError(f"Expected comma-separated integers, got {text!r}.") from None
 
 
-def options_from(precision: str, remat: str, microbatches: str, tensor: str | None) -> PlanOptions:
+def options_from(args: Any) -> PlanOptions:
+    """PlanOptions from the ``shardkit plan`` flags."""
     return PlanOptions(
-        precision=precision,
-        remat=tuple(r for r in remat.split(",") if r),
-        microbatches=parse_ints(microbatches),
-        tensor=parse_ints(tensor) if tensor else None,
+        precision=args.precision,
+        remat=tuple(r for r in args.remat.split(",") if r),
+        microbatches=parse_ints(args.microbatches),
+        tensor=parse_ints(args.tensor) if args.tensor else None,
+        sequence=parse_ints(args.sequence) if args.sequence else None,
+        stage=parse_ints(args.stage) if args.stage else None,
+        schedule=args.schedule,
     )
 
 
 def run_cli(args: Any) -> None:
     """``shardkit plan``: the ranked table, or its JSON."""
-    options = options_from(args.precision, args.remat, args.microbatches, args.tensor)
+    options = options_from(args)
     result = plan(
         args.model,
         args.devices,

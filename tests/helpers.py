@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -76,3 +77,14 @@ def run_python(code: str, env: dict | None = None, timeout: int = 300) -> subpro
 
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python -m shardkit.cli ARGS`` in a fresh process that picks its own device count."""
+    return subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "XLA_FLAGS": ""},
+    )

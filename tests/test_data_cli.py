@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import run_cli
 
 import shardkit as sk
 
@@ -37,16 +38,6 @@ def test_user_text_file(tmp_path):
     path.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
     ds = sk.TextDataset.from_bytes(sk.load_text(path))
     assert ds.decode(ds.batch(0, 2, 8)["tokens"][0]) in path.read_text() * 2
-
-
-def run_cli(*args, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**__import__("os").environ, "XLA_FLAGS": ""},
-    )
 
 
 @pytest.mark.slow

@@ -75,3 +75,10 @@ def test_experts_are_sharded_and_tokens_travel_by_all_to_all():
     # Per layer: tokens to experts and back, forward and backward.
     assert sum(c.count for c in a2a) == 4 * CFG.n_layers
     assert {c.op.split("/")[2] for c in a2a} == {"dispatch", "experts"}
+
+
+def test_bad_expert_settings_are_refused():
+    with pytest.raises(sk.errors.ShardkitError, match="top_k=3 experts per token out of n_experts=2"):
+        GPTConfig.preset("tiny", n_experts=2, top_k=3)
+    with pytest.raises(sk.errors.ShardkitError, match="capacity_factor=0"):
+        GPTConfig.preset("tiny", n_experts=4, capacity_factor=0)

@@ -1,12 +1,14 @@
 """Pipeline parallelism: schedule tables, the executor, GPT over the stage axis, and bad input."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_trees_close, reference_training, run_trainer
+from helpers import assert_trees_close, reference_training, run_cli, run_trainer
 
 import shardkit as sk
 from shardkit.models import GPT, GPTConfig
@@ -182,6 +184,30 @@ def test_1f1b_temporary_memory_stays_flat_while_gpipe_grows():
     stash_row = 1 * 128 * CFG.dim * 4  # one microbatch's stage input per device (4 rows / data=4), bytes
     assert gpipe[1] - gpipe[0] >= 12 * stash_row  # 12 more microbatch inputs held
     assert one_f_one_b[1] - one_f_one_b[0] < stash_row, (one_f_one_b, gpipe)  # stash of 3 either way
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_shardkit_train_and_dryrun_pipeline(tmp_path):
+    log = tmp_path / "log.jsonl"
+    train = run_cli(
+        *("train", "--model", "tiny", "--layout", "stage=2,data=2,tensor=2", "--microbatches", "4"),
+        *("--schedule", "gpipe", "--steps", "20", "--batch", "16", "--seq", "32", "--lr", "1e-2"),
+        *("--sample-tokens", "5", "--json-log", str(log)),
+    )
+    assert train.returncode == 0, train.stderr
+    assert "layout data=2,tensor=2,stage=2" in train.stdout
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    assert len(losses) == 20 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5
+    dry = run_cli(
+        *("dryrun", "--model", "tiny", "--layout", "stage=2,fsdp=4", "--microbatches", "4"),
+        *("--schedule", "1f1b", "--batch", "16", "--seq", "32", "--json"),
+    )
+    assert dry.returncode == 0, dry.stderr
+    report = json.loads(dry.stdout)
+    assert any(c["kind"] == "collective-permute" and c["axes"] == ["stage"] for c in report["collectives"])
 
 
 # -- bad input -----------------------------------------------------------------------------------

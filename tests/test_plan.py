@@ -9,7 +9,7 @@ import pytest
 
 import shardkit as sk
 from shardkit.hardware import PROFILES, Hardware, get_hardware
-from shardkit.plan import PlanOptions, axis_links, candidate_layouts, estimate, plan
+from shardkit.plan import Plan, PlanOptions, axis_links, candidate_layouts, estimate, plan
 
 H100 = PROFILES["h100"]
 
@@ -20,7 +20,10 @@ def cache(tmp_path_factory):
 
 
 def test_a_small_model_gets_pure_data_parallelism(cache):
-    result = plan("tiny", 8, "h100", batch=16, seq=64, options=PlanOptions(tensor=(1, 2)), cache_dir=cache)
+    # Even with sequence splits and pipelines on offer (narrowed to keep the test quick).
+    options = PlanOptions(tensor=(1,), sequence=(1, 2), stage=(1, 2))
+    result = plan("tiny", 8, "h100", batch=16, seq=64, options=options, cache_dir=cache)
+    assert {"data=4,sequence=2", "data=4,stage=2"} <= {p["layout"] for p in result["plans"]}
     assert result["best"] == "data=8"
     top = result["plans"][0]
     assert top["fits"] and top["predicted_step_seconds"] > 0 and 0 < top["predicted_mfu"] <= 1
@@ -39,9 +42,8 @@ def test_a_small_model_gets_pure_data_parallelism(cache):
 
 def test_a_model_that_does_not_fit_under_data_parallelism_gets_fsdp(cache):
     small_gpu = dataclasses.replace(H100, name="small", memory_bytes=8e6 / 0.9)
-    result = plan(
-        "mini", 8, small_gpu, batch=8, seq=16, options=PlanOptions(tensor=(1,), remat=("full",)), cache_dir=cache
-    )
+    options = PlanOptions(tensor=(1,), remat=("full",), sequence=(1,), stage=(1,))  # the FSDP question alone
+    result = plan("mini", 8, small_gpu, batch=8, seq=16, options=options, cache_dir=cache)
     by_layout = {p["layout"]: p for p in result["plans"]}
     assert not by_layout["data=8"]["fits"] and "model state alone exceeds" in by_layout["data=8"]["note"]
     assert "fsdp" in result["best"]
@@ -54,7 +56,34 @@ def test_tensor_parallelism_never_spans_nodes():
     layouts = candidate_layouts(cfg, 64, 64, two_per_node, PlanOptions())
     assert layouts and max(s["tensor"] for s in layouts) == 2
     for shape in candidate_layouts(cfg, 64, 64, H100, PlanOptions()):
-        assert axis_links({**shape, "sequence": 1, "stage": 1, "expert": 1}, H100)["tensor"] == "intra"
+        assert axis_links({**shape, "expert": 1}, H100)["tensor"] == "intra"
+
+
+def test_candidates_respect_layers_sequence_and_nodes():
+    two_per_node = dataclasses.replace(H100, devices_per_node=2)
+    cfg = sk.models.GPTConfig.preset("llama2-7b")  # 32 layers
+    layouts = candidate_layouts(cfg, 64, 64, two_per_node, PlanOptions(), seq=2048)
+    assert {s["stage"] for s in layouts} == {1, 2, 4, 8} and {s["sequence"] for s in layouts} == {1, 2}
+    for s in layouts:
+        links = axis_links({**s, "expert": 1}, two_per_node)
+        assert links["tensor"] == links["sequence"] == "intra"  # both inside a node
+        assert not (s["stage"] > 1 and s["sequence"] > 1)
+        assert s["data"] * s["fsdp"] * s["tensor"] * s["sequence"] * s["stage"] == 64
+    odd = candidate_layouts(cfg, 64, 64, H100, PlanOptions(stage=(3, 4)), seq=2047)
+    assert {s["stage"] for s in odd} == {4} and {s["sequence"] for s in odd} == {1}  # 3 does not divide 32
+
+
+def test_pipeline_plans_pay_their_bubble(cache):
+    def staged(microbatches):
+        options = PlanOptions(tensor=(1,), sequence=(1,), stage=(2,), microbatches=(microbatches,), remat=("none",))
+        result = plan("tiny", 8, "h100", batch=64, seq=64, options=options, cache_dir=cache)
+        return {p["layout"]: p for p in result["plans"]}["data=4,stage=2"]
+
+    few, many = staged(2), staged(8)
+    assert few["microbatches"] == 2 and many["microbatches"] == 8
+    # Lock-step stages compute through the bubble: FLOPs per device scale as (m + p - 1) / m.
+    assert few["compute_seconds"] / many["compute_seconds"] == pytest.approx((3 / 2) / (9 / 8), rel=0.05)
+    assert Plan(**few).cli_flags().endswith("--schedule 1f1b")
 
 
 def test_axis_links_follow_the_mesh_order():
@@ -90,9 +119,8 @@ def test_predictions_respond_to_bandwidth():
 def test_predictions_respond_to_batch(cache):
     times = {}
     for batch in (16, 32):
-        r = plan(
-            "tiny", 8, "h100", batch=batch, seq=64, options=PlanOptions(tensor=(1,), microbatches=(1,)), cache_dir=cache
-        )
+        options = PlanOptions(tensor=(1,), microbatches=(1,), sequence=(1,), stage=(1,))
+        r = plan("tiny", 8, "h100", batch=batch, seq=64, options=options, cache_dir=cache)
         times[batch] = {p["layout"]: p for p in r["plans"]}
     for layout in ("data=8", "fsdp=8"):
         ratio = times[32][layout]["compute_seconds"] / times[16][layout]["compute_seconds"]
@@ -124,6 +152,10 @@ def test_plan_cli_json(tmp_path):
             "1",
             "--remat",
             "none",
+            "--sequence",
+            "1",
+            "--stage",
+            "1",
             "--json",
         ],
         capture_output=True,

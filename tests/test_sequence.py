@@ -122,3 +122,17 @@ def test_sequence_parallelism_gathers_the_sequence_before_each_block():
     assert not [c for c in sp_layer if c.kind == "all-to-all"], "no reshuffles between seq- and head-sharding"
     # Norms and residuals hold a 1/tensor slice of the sequence: less activation memory.
     assert sp.memory.temp < plain.memory.temp
+
+
+def test_ring_attention_refuses_a_sequence_not_split_over_the_sequence_axis():
+    q, k, v = qkv(b=4, t=16, h=4, n=4, d=8)
+    mesh = sk.Layout.parse("sequence=2,data=4").make_mesh()
+    rules = sk.Rules.of(batch="data", seq=None, heads=None, kv_heads=None, kv=None)  # 'seq' unsharded
+    with pytest.raises(sk.errors.ShardkitError, match="sequence dimension sharded over 'sequence' alone"):
+        ring_attention(q, k, v, mesh, rules)
+
+
+def test_sequence_that_does_not_divide_the_sequence_axis_is_refused():
+    trainer = sk.Trainer(CFG.model(), optax.adamw(1e-3), "sequence=8")
+    with pytest.raises(sk.errors.ShardkitError, match="seq"):
+        trainer.compile({"tokens": jax.ShapeDtypeStruct((8, 13), jnp.int32)})  # 12 positions over 8

@@ -87,6 +87,16 @@ class GPTConfig:
             raise ShardkitError(f"GPTConfig: remat={self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ShardkitError(f"GPTConfig: dropout={self.dropout} must be in [0, 1).")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ShardkitError(
+                f"GPTConfig: top_k={self.top_k} experts per token out of n_experts={self.n_experts}; "
+                f"choose top_k between 1 and {self.n_experts}."
+            )
+        if self.n_experts and self.capacity_factor <= 0:
+            raise ShardkitError(
+                f"GPTConfig: capacity_factor={self.capacity_factor} must be > 0 (1.0: an even share of the "
+                "tokens per expert; 1.25 is usual)."
+            )
 
     @property
     def head_dim(self) -> int:
