@@ -1,8 +1,9 @@
-"""Pipeline bubble and memory: measured against (p-1)/(m+p-1), and 1F1B against GPipe as m grows.
+"""Pipeline bubble and memory: measured against (p-1)/(vm+p-1), and 1F1B against GPipe as m grows.
 
-Bubble: for each stage count p, the GPT's train step is compiled and timed for several
-microbatch counts m at a fixed microbatch size. One more microbatch adds one tick of useful work
-to every stage, so the slope of step time in m is the time of one microbatch's work, and
+Bubble: for each stage count p (and v interleaved chunks per device), the GPT's train step is
+compiled and timed for several microbatch counts m at a fixed microbatch size. One more
+microbatch adds the same useful work to every stage, so the slope of step time in m is the time
+of one microbatch's work, and
 ``bubble(m) = 1 - m * slope / time(m)`` is the measured idle fraction (it also counts what the
 step does outside the pipeline: the optimizer update, the sum of the shared gradients). The same
 is done with the matmul FLOPs each device executes in the compiled program (from its HLO, loop
@@ -35,9 +36,15 @@ import optax
 from shardkit import hlo
 
 
-def trainer_for(cfg, p, m, schedule, rows):
+def trainer_for(cfg, p, m, schedule, rows, v=1):
     trainer = sk.Trainer(
-        cfg.model(), optax.sgd(1e-3), f"stage={p}", microbatches=m, schedule=schedule, devices=jax.devices()[:p]
+        cfg.model(),
+        optax.sgd(1e-3),
+        f"stage={p}",
+        microbatches=m,
+        schedule=schedule,
+        virtual_stages=v,
+        devices=jax.devices()[:p],
     )
     return trainer, {"tokens": jax.ShapeDtypeStruct((rows * m, cfg.max_seq + 1), jnp.int32)}
 
@@ -73,6 +80,7 @@ def main():
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rows", type=int, default=8, help="sequences per microbatch")
     parser.add_argument("--stages", default="2,4")
+    parser.add_argument("--virtual-stages", default="1,2", help="interleaved chunks per device to try")
     # m = 1 is left out: its one forward-and-backward tick is unrolled, and XLA then drops the
     # last stage's forward slot whose output nobody reads; the program does less work than one
     # tick per microbatch, which bends the straight line the measurement rests on.
@@ -85,7 +93,7 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.layers, args.dim, args.seq, args.rows, args.repeats = 4, 64, 32, 4, 2
-        args.stages, args.microbatches, args.memory_microbatches = "2", "2,4,8", "2,4,8"
+        args.stages, args.microbatches, args.memory_microbatches = "2", "2,4", "2,4"
     cfg = sk.models.GPTConfig.preset(
         "tiny", dim=args.dim, n_layers=args.layers, mlp_dim=3 * args.dim, max_seq=args.seq, n_heads=8, n_kv_heads=4
     )
@@ -97,11 +105,13 @@ def main():
         f"{args.rows} sequences per microbatch, 1F1B, {jax.devices()[0].platform}"
     )
     bubble_rows = []
-    print(f"{'p':>3} {'m':>3} {'step s':>8} {'bubble (time)':>14} {'bubble (HLO flops)':>19} {'(p-1)/(m+p-1)':>14}")
-    for p in stages:
+    print(f"{'p':>3} {'v':>3} {'m':>3} {'step s':>8} {'bubble (time)':>14} {'bubble (HLO)':>13} {'(p-1)/(vm+p-1)':>15}")
+    virtual = [int(x) for x in args.virtual_stages.split(",")]
+    for p, v in ((p, v) for p in stages for v in virtual if cfg.n_layers % (p * v) == 0):
         flops, runs = [], []
-        for m in ms:
-            trainer, shape = trainer_for(cfg, p, m, "1f1b", args.rows)
+        grid = [m for m in ms if v == 1 or m % p == 0]  # interleaving sends microbatches in groups of p
+        for m in grid:
+            trainer, shape = trainer_for(cfg, p, m, "1f1b", args.rows, v)
             flops.append(hlo.dot_flops(trainer.compile(shape).as_text()))
             runs.append(Timed(trainer, shape))
         for _ in range(args.repeats):  # interleaved, so that machine noise hits every m alike
@@ -109,11 +119,12 @@ def main():
                 run.step()
         seconds = [statistics.median(run.times) for run in runs]
         del runs
-        for m, s, bt, bf in zip(ms, seconds, measured_bubble(ms, seconds), measured_bubble(ms, flops)):
-            formula = (p - 1) / (m + p - 1)
+        for m, s, bt, bf in zip(grid, seconds, measured_bubble(grid, seconds), measured_bubble(grid, flops)):
+            formula = (p - 1) / (v * m + p - 1)
             bubble_rows.append(
                 {
                     "stages": p,
+                    "virtual_stages": v,
                     "microbatches": m,
                     "step_seconds": s,
                     "bubble_time": bt,
@@ -121,7 +132,7 @@ def main():
                     "formula": formula,
                 }
             )
-            print(f"{p:3d} {m:3d} {s:8.4f} {bt:14.3f} {bf:19.3f} {formula:14.3f}")
+            print(f"{p:3d} {v:3d} {m:3d} {s:8.4f} {bt:14.3f} {bf:13.3f} {formula:15.3f}")
 
     p = max(stages)
     mem_ms = [int(x) for x in args.memory_microbatches.split(",")]

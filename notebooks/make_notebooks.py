@@ -302,14 +302,18 @@ PIPELINE = [
     ),
     (
         "markdown",
-        "## The pipeline schedules\nEach row is a stage, time runs right; a forward slot (blue) costs 1, "
-        "a backward slot (orange) 2. Grey is the bubble: (p-1)/(m+p-1) of the step for both "
+        "## The pipeline schedules\nEach row is a stage, time runs right; a stage's forward (blue) costs 1, "
+        "its backward (orange) 2. Grey is the bubble: (p-1)/(m+p-1) of the step for both "
         "schedules. 1F1B starts each microbatch's backward as soon as it can, so a stage holds at "
-        "most 2(p-s)-1 microbatch inputs instead of all m.",
+        "most 2(p-s)-1 microbatch inputs instead of all m. Interleaved 1F1B (v=2 chunks per device, "
+        "labels microbatch.chunk) runs half a stage per slot and cuts the bubble to (p-1)/(vm+p-1).",
     ),
     (
         "code",
         "def draw(schedule, ax, fwd=1.0, bwd=2.0):\n"
+        "    m, v = schedule.microbatches, schedule.virtual_stages\n"
+        "    fwd, bwd = fwd / v, bwd / v  # a slot runs one chunk of a stage\n"
+        "    label = lambda q: f'{q % m}.{q // m}' if v > 1 else str(q)\n"
         "    t = 0.0\n"
         "    for kind, f, b in schedule.rows():\n"
         "        width = fwd * ('F' in kind) + bwd * ('B' in kind)\n"
@@ -317,20 +321,20 @@ PIPELINE = [
         "            ax.add_patch(plt.Rectangle((t, s), width, 0.9, color='0.85'))\n"
         "            if f[s] >= 0:\n"
         "                ax.add_patch(plt.Rectangle((t, s), fwd, 0.9, color='tab:blue'))\n"
-        "                ax.text(t + fwd / 2, s + 0.45, f[s], ha='center', va='center', color='w', fontsize=7)\n"
+        "                ax.text(t + fwd / 2, s + 0.45, label(f[s]), ha='center', va='center', color='w', fontsize=6)\n"
         "            if b[s] >= 0:\n"
         "                x0 = t + fwd * ('F' in kind)\n"
         "                ax.add_patch(plt.Rectangle((x0, s), bwd, 0.9, color='tab:orange'))\n"
-        "                ax.text(x0 + bwd / 2, s + 0.45, b[s], ha='center', va='center', fontsize=7)\n"
+        "                ax.text(x0 + bwd / 2, s + 0.45, label(b[s]), ha='center', va='center', fontsize=6)\n"
         "        t += width\n"
         "    ax.set_xlim(0, t); ax.set_ylim(schedule.stages, 0)\n"
         "    ax.set_yticks([s + 0.45 for s in range(schedule.stages)], [f'stage {s}' for s in range(schedule.stages)])\n"
-        "    ax.set_title(f'{schedule.name}: p={schedule.stages}, m={schedule.microbatches}, '\n"
+        "    ax.set_title(f'{schedule.name}: p={schedule.stages}, m={schedule.microbatches}, v={v}, '\n"
         "                 f'bubble {schedule.bubble():.3f}, holds up to {schedule.stash} microbatches')\n\n"
-        "fig, axes = plt.subplots(2, 1, figsize=(11, 4.5))\n"
-        "for ax, name in zip(axes, ['gpipe', '1f1b']):\n"
-        "    draw(make_schedule(name, 4, 8), ax)\n"
-        "axes[1].set_xlabel('time (forward slot = 1)')\n"
+        "fig, axes = plt.subplots(3, 1, figsize=(11, 6.5), sharex=True)\n"
+        "for ax, (name, v) in zip(axes, [('gpipe', 1), ('1f1b', 1), ('1f1b', 2)]):\n"
+        "    draw(make_schedule(name, 4, 8, virtual_stages=v), ax)\n"
+        "axes[2].set_xlabel('time (one stage forward = 1)')\n"
         "plt.tight_layout(); plt.show()\n"
         "print(make_schedule('1f1b', 4, 8).format())",
     ),

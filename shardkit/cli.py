@@ -64,6 +64,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
         help="gradient accumulation steps; with stage>1, the microbatches in the pipeline",
     )
     p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule, help="pipeline schedule (default 1f1b)")
+    p.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="interleaved stages per device")
     p.add_argument("--remat", default=d.remat, help="none, full, dots, dots_no_batch")
     p.add_argument(
         "--nonfinite",
@@ -90,6 +91,7 @@ def _plan_arguments(p: argparse.ArgumentParser, default_layout: str) -> None:
     p.add_argument("--precision", choices=sorted(POLICIES), default="fp32")
     p.add_argument("--microbatches", type=int, default=1, help="accumulation steps, or pipeline microbatches")
     p.add_argument("--schedule", choices=SCHEDULES, default=None, help="pipeline schedule (stage>1; default 1f1b)")
+    p.add_argument("--virtual-stages", type=int, default=1, help="interleaved stages per device")
     p.add_argument("--remat", default="none", help="none, full, dots, dots_no_batch")
     p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
     p.add_argument("--unrolled", action="store_true", help="unroll the layer stack instead of scanning it")
@@ -107,6 +109,7 @@ def _dryrun_config(args: argparse.Namespace):
         precision=args.precision,
         microbatches=args.microbatches,
         schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
         remat=args.remat,
         scan_layers=not args.unrolled,
         n_layers=args.layers,
@@ -152,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pln.add_argument("--tensor", default=None, help="tensor sizes to consider (default: powers of 2 in a node)")
     pln.add_argument("--sequence", default=None, help="sequence (ring attention) sizes to consider (default 1,2,4,8)")
     pln.add_argument("--stage", default=None, help="pipeline stage counts to consider (default 1,2,4,8)")
+    pln.add_argument("--expert", default=None, help="expert sizes to consider (default: divisors of the experts)")
     pln.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule of staged plans")
     pln.add_argument("--json", action="store_true")
     lau = sub.add_parser("launch", help="start P processes of a command on this machine (jax.distributed)")
@@ -198,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 keep_checkpoints=args.keep_checkpoints,
                 sequence_parallel=args.sequence_parallel,
                 schedule=args.schedule,
+                virtual_stages=args.virtual_stages,
             )
             train(cfg)
         elif args.command == "plan":

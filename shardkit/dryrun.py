@@ -40,6 +40,7 @@ class DryRunConfig:
     precision: str = "fp32"
     microbatches: int = 1
     schedule: str | None = None  # pipeline schedule with stage > 1 (default 1f1b)
+    virtual_stages: int = 1  # interleaved pipeline stages
     remat: str = "none"
     scan_layers: bool = True
     n_layers: int | None = None  # override the preset's depth (compile-time studies)
@@ -70,6 +71,8 @@ class DryRunConfig:
             args += ["--seq", str(self.seq)]
         if self.schedule is not None:
             args += ["--schedule", self.schedule]
+        if self.virtual_stages != 1:
+            args += ["--virtual-stages", str(self.virtual_stages)]
         if not self.scan_layers:
             args += ["--unrolled"]
         if self.n_layers is not None:
@@ -92,6 +95,7 @@ def trainer_for(cfg: DryRunConfig) -> tuple[Trainer, dict[str, jax.ShapeDtypeStr
         precision=cfg.precision,
         microbatches=cfg.microbatches,
         schedule=cfg.schedule,
+        virtual_stages=cfg.virtual_stages,
     )
     return trainer, {"tokens": jax.ShapeDtypeStruct((cfg.batch, seq + 1), jnp.int32)}
 

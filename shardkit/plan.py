@@ -10,7 +10,8 @@ bandwidth of the link that axis crosses (NVLink/ICI inside a node, InfiniBand/DC
 nodes), with and without overlap of compute and communication. A pipeline's bubble needs no
 formula here: the lock-step pipeline computes its idle slots, so they are in the compiled FLOPs.
 
-The ``expert`` axis is not searched: no GPT preset is a mixture of experts.
+For a mixture-of-experts model (``tiny-moe``, ``mixtral-8x7b``) the ``expert`` axis joins the
+search (sizes that divide the experts; it splits the batch too), without ``sequence`` or ``stage``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class PlanOptions:
     tensor: tuple[int, ...] | None = None
     sequence: tuple[int, ...] | None = None
     stage: tuple[int, ...] | None = None
+    expert: tuple[int, ...] | None = None  # None: sizes that divide a mixture's experts
     schedule: str = "1f1b"
     remat: tuple[str, ...] = ("none", "full")
     microbatches: tuple[int, ...] = (1, 2, 4, 8, 16)
@@ -140,13 +142,15 @@ def _layout_shape(spec: str) -> dict[str, int]:
 def candidate_layouts(
     cfg: GPTConfig, devices: int, batch: int, hw: Hardware, options: PlanOptions, seq: int | None = None
 ) -> list[dict[str, int]]:
-    """Every ``data x fsdp x tensor x sequence x stage`` split of the devices that the model,
-    the batch and the sequence length ``seq`` allow (``sequence`` and ``stage`` not together),
-    tensor and sequence inside a node."""
+    """Every ``data x fsdp x tensor x sequence x stage x expert`` split of the devices that the
+    model, the batch and the sequence length ``seq`` allow: at most one of ``sequence``, ``stage``
+    and ``expert`` above 1 (``expert`` only for a mixture of experts); tensor and sequence inside
+    a node."""
     node = hw.devices_per_node
     tensors = options.tensor or tuple(t for t in (1, 2, 4, 8, 16) if t <= node)
     sequences = options.sequence or (1, 2, 4, 8)
     stages = options.stage or (1, 2, 4, 8)
+    experts = options.expert or tuple(e for e in (1, 2, 4, 8, 16) if cfg.n_experts and cfg.n_experts % e == 0)
     out = []
     for t in tensors:
         if devices % t or t > node or cfg.n_kv_heads % t or cfg.n_heads % t or cfg.mlp_dim % t or cfg.vocab % t:
@@ -154,16 +158,19 @@ def candidate_layouts(
         for s in sequences:
             if devices % (t * s) or t * s > node or (s > 1 and (seq is None or seq % s)):
                 continue
-            for p in stages:
-                if (p > 1 and s > 1) or devices % (t * s * p) or cfg.n_layers % p:
+            for p, e in ((p, e) for p in stages for e in experts or (1,)):
+                misfit_experts = e > 1 and (not cfg.n_experts or cfg.n_experts % e)
+                if sum(x > 1 for x in (s, p, e)) > 1 or cfg.n_layers % p or misfit_experts:
                     continue
-                rest = devices // (t * s * p)
+                if devices % (t * s * p * e):
+                    continue
+                rest = devices // (t * s * p * e)
                 for f in (d for d in range(1, rest + 1) if rest % d == 0):
                     d = rest // f
-                    if cfg.dim % f or batch % (d * f):
+                    if cfg.dim % f or batch % (d * f * e):
                         continue
-                    shape = {"data": d, "fsdp": f, "tensor": t, "sequence": s, "stage": p}
-                    links = axis_links({**shape, "expert": 1}, hw)
+                    shape = {"data": d, "fsdp": f, "tensor": t, "sequence": s, "stage": p, "expert": e}
+                    links = axis_links(shape, hw)
                     # Stages come after tensor in the mesh order, so t * s * p devices must fit in a
                     # node or tensor steps between nodes. (Pipelines between nodes with tensor inside
                     # need across_hosts=stage, not searched yet.)
@@ -259,7 +266,8 @@ def plan(
     for shape in candidate_layouts(cfg, devices, batch, hw, options, seq):
         spec = _spec(shape)
         pipelined = shape["stage"] > 1
-        state = cfg.num_params() * state_per_param / (shape["fsdp"] * shape["tensor"] * shape["stage"])
+        split = shape["fsdp"] * shape["tensor"] * shape["stage"] * shape["expert"]  # ~ what the big weights divide by
+        state = cfg.num_params() * state_per_param / split
         if state > budget:
             plans.append(
                 Plan(
@@ -282,7 +290,7 @@ def plan(
         counts = sorted(options.microbatches, reverse=pipelined)
         for remat in options.remat:
             for mb in counts:
-                if batch % (shape["data"] * shape["fsdp"] * mb):
+                if batch % (shape["data"] * shape["fsdp"] * shape["expert"] * mb):
                     continue
                 dr = DryRunConfig(
                     model=model,
@@ -379,7 +387,8 @@ def _plan_in_subprocess(
         ",".join(map(str, options.microbatches)),
         "--json",
     ]
-    for flag, values in (("--tensor", options.tensor), ("--sequence", options.sequence), ("--stage", options.stage)):
+    searched = (("--tensor", options.tensor), ("--sequence", options.sequence), ("--stage", options.stage))
+    for flag, values in (*searched, ("--expert", options.expert)):
         if values:
             cmd += [flag, ",".join(map(str, values))]
     cmd += ["--schedule", options.schedule]
@@ -436,6 +445,7 @@ def options_from(args: Any) -> PlanOptions:
         tensor=parse_ints(args.tensor) if args.tensor else None,
         sequence=parse_ints(args.sequence) if args.sequence else None,
         stage=parse_ints(args.stage) if args.stage else None,
+        expert=parse_ints(args.expert) if args.expert else None,
         schedule=args.schedule,
     )
 

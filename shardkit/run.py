@@ -50,6 +50,7 @@ class TrainConfig:
     nonfinite: str = "skip"
     sequence_parallel: bool = False
     schedule: str | None = None  # pipeline schedule with stage > 1 (default 1f1b)
+    virtual_stages: int = 1  # interleaved pipeline stages: chunks of layers per device
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
@@ -133,6 +134,7 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
         nonfinite=cfg.nonfinite,
         sequence_parallel=cfg.sequence_parallel,
         schedule=cfg.schedule,
+        virtual_stages=cfg.virtual_stages,
     )
     ckpt = (
         Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)

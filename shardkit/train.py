@@ -146,6 +146,10 @@ class Trainer:
       schedule: pipeline schedule when the layout has ``stage`` > 1: ``"1f1b"`` (default) or
         ``"gpipe"`` (see :mod:`shardkit.parallel.schedule`). The model must say how it splits
         into stages (:class:`shardkit.model.Stages`; GPT does).
+      virtual_stages: interleaved stages: each device holds this many chunks of the layers and
+        microbatches go round the stages as often, cutting the bubble by as much (microbatches
+        must then be a multiple of ``stage``; chunks are regrouped by device each step, an
+        all-to-all of the layer parameters and of their gradients over ``stage``).
       devices: the devices to use (default: all of ``jax.devices()``).
 
     Example:
@@ -173,6 +177,7 @@ class Trainer:
         nonfinite: str | None = None,
         sequence_parallel: bool = False,
         schedule: str | None = None,
+        virtual_stages: int = 1,
         devices: Sequence[jax.Device] | None = None,
     ) -> None:
         if not isinstance(optimizer, optax.GradientTransformation):
@@ -200,7 +205,7 @@ class Trainer:
             self.rules = self.rules + tensor_sequence_parallel()
         self.batch_axes = dict(batch_axes or {})
         self.fallbacks: list[Fallback] = []
-        self.schedule: Schedule | None = self._pipeline_schedule(schedule)
+        self.schedule: Schedule | None = self._pipeline_schedule(schedule, virtual_stages)
 
         self.abstract_params = abstract_params = model.abstract_params()  # eval_shape once
         self.param_specs = specs_for(
@@ -225,15 +230,15 @@ class Trainer:
         self._compiled: dict[Any, jax.stages.Compiled] = {}
         self._init = jax.jit(self._init_fn, static_argnums=0, out_shardings=self.state_shardings)
 
-    def _pipeline_schedule(self, name: str | None) -> Schedule | None:
+    def _pipeline_schedule(self, name: str | None, virtual_stages: int) -> Schedule | None:
         """The pipeline schedule when the layout has stages; every misfit is reported here,
         before anything is traced."""
         p = dict(self.mesh.shape).get("stage", 1)
         if p == 1:
-            if name is not None:
+            if name is not None or virtual_stages != 1:
                 raise ShardkitError(
-                    f"schedule={name!r} needs pipeline stages, but layout {self.layout.spec()} has stage=1. "
-                    "Fix: add stage=N to the layout, or drop the schedule."
+                    f"schedule={name!r}, virtual_stages={virtual_stages} need pipeline stages, but layout "
+                    f"{self.layout.spec()} has stage=1. Fix: add stage=N to the layout, or drop them."
                 )
             return None
         stages = self.model.stages
@@ -243,11 +248,13 @@ class Trainer:
                 "does not say how it splits into stages. Fix: build it with sk.from_nnx(..., stacked_layers=...) "
                 "(GPTConfig(scan_layers=True).model() does), or drop stage from the layout."
             )
-        if stages.n_layers % p:
+        chunks = p * virtual_stages if isinstance(virtual_stages, int) and virtual_stages > 0 else p
+        if stages.n_layers % chunks:
             divisors = [d for d in range(1, stages.n_layers + 1) if stages.n_layers % d == 0]
             raise ShardkitError(
                 f"Model {self.model.name} has {stages.n_layers} layers: they do not divide into stage={p} "
-                f"stages. Fix: use stage= one of {divisors}, or a layer count that is a multiple of {p}."
+                f"stages x virtual_stages={virtual_stages}. Fix: make stage x virtual_stages one of {divisors}, "
+                f"or use a layer count that is a multiple of {chunks}."
             )
         for axis in ("sequence", "expert"):
             if dict(self.mesh.shape).get(axis, 1) > 1:
@@ -255,7 +262,7 @@ class Trainer:
                     f"Layout {self.layout.spec()} combines stage with {axis}>1, which shardkit does not "
                     f"pipeline yet. Fix: use stage with data, fsdp and tensor only, or drop stage."
                 )
-        return make_schedule(name or "1f1b", p, self.microbatches)
+        return make_schedule(name or "1f1b", p, self.microbatches, virtual_stages)
 
     # -- state --------------------------------------------------------------------------------
     def _updated_copy(self, params: Params) -> Params:
@@ -366,7 +373,7 @@ class Trainer:
         does, so a pipelined step equals an accumulated one bit for bit in what it draws.
         """
         stages, schedule = self.model.stages, self.schedule
-        p, m = schedule.stages, schedule.microbatches
+        p, m = schedule.stages * schedule.virtual_stages, schedule.microbatches  # p: virtual stages
         per_stage = stages.n_layers // p
         micro = self._microbatches(batch)
         micro[_KEY] = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(key, i)))(jnp.arange(m))

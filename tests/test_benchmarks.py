@@ -77,3 +77,12 @@ def test_checkpoint_stall_benchmark_small(tmp_path):
     run(sys.executable, "benchmarks/checkpoint_stall.py", "--model", "tiny", "--json", str(tmp_path / "c.json"))
     result = json.loads((tmp_path / "c.json").read_text())
     assert 0 < result["save_call_seconds"] <= result["until_on_disk_seconds"]
+
+
+@pytest.mark.slow
+def test_pipeline_benchmark_small(tmp_path):
+    out = run(sys.executable, "benchmarks/pipeline.py", "--quick", "--json", str(tmp_path / "p.json"))
+    result = json.loads((tmp_path / "p.json").read_text())
+    assert {(r["stages"], r["virtual_stages"]) for r in result["bubble"]} == {(2, 1), (2, 2)}
+    assert result["worst_bubble_gap_flops"] < 0.01  # the compiled program does the formula's work
+    assert "GPipe" in out and result["memory"][-1]["gpipe"] > result["memory"][0]["gpipe"]

@@ -25,12 +25,14 @@ TOKENS = {"tokens": jax.ShapeDtypeStruct((16, 33), jnp.int32)}
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-def test_schedule_bubble_is_the_textbook_fraction(name):
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_schedule_bubble_is_the_textbook_fraction(name, v):
     for p in range(1, 6):
-        for m in range(1, 12):
-            s = make_schedule(name, p, m)  # make_schedule checks every timing rule of the table
+        for m in range(p if v > 1 else 1, 13, p if v > 1 else 1):
+            s = make_schedule(name, p, m, v)  # make_schedule checks every timing rule of the table
             for fwd_cost, bwd_cost in ((1, 1), (1, 2), (1, 3)):
-                assert s.bubble(fwd_cost, bwd_cost) == pytest.approx((p - 1) / (m + p - 1))
+                # Interleaving divides the bubble by v: (p-1)/m of ideal time becomes (p-1)/(v m).
+                assert s.bubble(fwd_cost, bwd_cost) == pytest.approx((p - 1) / (v * m + p - 1))
 
 
 def test_1f1b_holds_at_most_2p_minus_1_microbatches_whatever_m():
@@ -44,6 +46,13 @@ def test_1f1b_holds_at_most_2p_minus_1_microbatches_whatever_m():
         assert one_f_one_b.ticks == m + 2 * (p - 1) and gpipe.ticks == 2 * (m + p - 1)
 
 
+def test_interleaved_1f1b_holds_a_bounded_number_of_chunk_inputs():
+    p, v = 4, 2
+    held = [make_schedule("1f1b", p, m, v).in_flight().max() for m in (8, 16, 32)]
+    assert held[0] == held[1] == held[2]  # flat in m
+    assert make_schedule("gpipe", p, 32, v).in_flight().max() == v * 32  # GPipe holds every chunk input
+
+
 def test_schedule_picture_names_every_slot():
     text = make_schedule("1f1b", 2, 2).format().splitlines()
     assert text[1:] == ["   0  F0         .", "   1  F1         F0 B0", "   2  B0         F1 B1", "   3  B1         ."]
@@ -52,9 +61,9 @@ def test_schedule_picture_names_every_slot():
 # -- the executor against jax.grad ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-def test_executor_matches_jax_grad(name):
-    n_layers, dim, p, m = 8, 16, 4, 6
+@pytest.mark.parametrize("name,m,v", [("gpipe", 6, 1), ("1f1b", 6, 1), ("gpipe", 8, 2), ("1f1b", 4, 2)])
+def test_executor_matches_jax_grad(name, m, v):
+    n_layers, dim, p = 8, 16, 4
     k = jax.random.split(jax.random.key(0), 3)
     w = jax.random.normal(k[0], (n_layers, dim, dim)) / 4
     shift = jax.random.normal(k[1], (dim,))
@@ -68,15 +77,15 @@ def test_executor_matches_jax_grad(name):
 
     want_loss, (want_w, want_shift) = jax.value_and_grad(reference, argnums=(0, 1))(w, shift)
 
-    def stage_loss(lw, shared, x_in, mb, stage, i):
+    def stage_loss(lw, shared, x_in, mb, stage, i):  # stage: virtual stage, of v * p
         h = layers(lw, jnp.where(stage == 0, mb + shared["shift"], x_in))
-        return h, jnp.where(stage == p - 1, jnp.sum(h**2), 0.0), jnp.int32(3)
+        return h, jnp.where(stage == v * p - 1, jnp.sum(h**2), 0.0), jnp.int32(3)
 
     mesh = sk.Layout.parse("data=2,stage=4").make_mesh()
     boundary = jax.ShapeDtypeStruct((3, dim), jnp.float32)
     run = jax.jit(
         lambda w, shift: pipeline_value_and_grad(
-            stage_loss, w, {"shift": shift}, xs, boundary, make_schedule(name, p, m), mesh
+            stage_loss, w, {"shift": shift}, xs, boundary, make_schedule(name, p, m, v), mesh
         )
     )
     loss, count, got_w, got_shared = run(w, shift)
@@ -118,15 +127,19 @@ def sgd_reference():
 
 
 @pytest.mark.parametrize(
-    "layout,schedule,microbatches",
+    "layout,schedule,microbatches,virtual",
     [
-        ("stage=2,data=2,tensor=2", "1f1b", 4),
-        ("stage=2,fsdp=2,tensor=2", "gpipe", 2),
-        ("stage=4,data=2", "1f1b", 8),
+        ("stage=2,data=2,tensor=2", "1f1b", 4, 1),
+        ("stage=2,fsdp=2,tensor=2", "gpipe", 2, 1),
+        ("stage=4,data=2", "1f1b", 8, 1),
+        ("stage=2,data=2,tensor=2", "1f1b", 4, 2),
+        ("stage=2,fsdp=4", "gpipe", 2, 2),
     ],
 )
-def test_pipelined_gpt_matches_single_device(layout, schedule, microbatches, sgd_reference):
-    trainer = sk.Trainer(CFG.model(), optax.sgd(0.5), layout, microbatches=microbatches, schedule=schedule)
+def test_pipelined_gpt_matches_single_device(layout, schedule, microbatches, virtual, sgd_reference):
+    trainer = sk.Trainer(
+        CFG.model(), optax.sgd(0.5), layout, microbatches=microbatches, schedule=schedule, virtual_stages=virtual
+    )
     losses, params = run_trainer(trainer, BATCHES)
     want_losses, want_params = sgd_reference
     np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
@@ -193,8 +206,9 @@ def test_1f1b_temporary_memory_stays_flat_while_gpipe_grows():
 def test_shardkit_train_and_dryrun_pipeline(tmp_path):
     log = tmp_path / "log.jsonl"
     train = run_cli(
-        *("train", "--model", "tiny", "--layout", "stage=2,data=2,tensor=2", "--microbatches", "4"),
-        *("--schedule", "gpipe", "--steps", "20", "--batch", "16", "--seq", "32", "--lr", "1e-2"),
+        *("train", "--model", "mini", "--layout", "stage=2,data=2,tensor=2", "--microbatches", "4"),
+        *("--schedule", "gpipe", "--virtual-stages", "2", "--steps", "20", "--batch", "16", "--seq", "32"),
+        *("--lr", "1e-2"),
         *("--sample-tokens", "5", "--json-log", str(log)),
     )
     assert train.returncode == 0, train.stderr
@@ -203,7 +217,7 @@ def test_shardkit_train_and_dryrun_pipeline(tmp_path):
     assert len(losses) == 20 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5
     dry = run_cli(
         *("dryrun", "--model", "tiny", "--layout", "stage=2,fsdp=4", "--microbatches", "4"),
-        *("--schedule", "1f1b", "--batch", "16", "--seq", "32", "--json"),
+        *("--schedule", "1f1b", "--virtual-stages", "1", "--batch", "16", "--seq", "32", "--json"),
     )
     assert dry.returncode == 0, dry.stderr
     report = json.loads(dry.stdout)
@@ -230,8 +244,15 @@ def test_model_without_stages_is_refused():
         sk.Trainer(unstacked, optax.sgd(0.1), "stage=2,data=4")
 
 
+def test_interleaved_stages_need_whole_groups_and_enough_layers():
+    with pytest.raises(sk.errors.ShardkitError, match="microbatches=3 must be a multiple of 2"):
+        sk.Trainer(CFG.model(), optax.sgd(0.1), "stage=2,data=4", microbatches=3, virtual_stages=2)
+    with pytest.raises(sk.errors.ShardkitError, match="4 layers: they do not divide into stage=4 stages x virtual"):
+        sk.Trainer(CFG.model(), optax.sgd(0.1), "stage=4,data=2", microbatches=4, virtual_stages=2)
+
+
 def test_schedule_without_stages_and_unknown_schedule_are_refused():
-    with pytest.raises(sk.errors.ShardkitError, match="needs pipeline stages"):
+    with pytest.raises(sk.errors.ShardkitError, match="need pipeline stages"):
         sk.Trainer(CFG.model(), optax.sgd(0.1), "data=8", schedule="gpipe")
     with pytest.raises(sk.errors.ShardkitError, match="Unknown pipeline schedule 'zb'"):
         sk.Trainer(CFG.model(), optax.sgd(0.1), "stage=2,data=4", schedule="zb")

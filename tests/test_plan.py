@@ -185,3 +185,16 @@ def test_hardware_profiles_and_files(tmp_path):
         Hardware.from_file(bad)
     with pytest.raises(sk.ShardkitError, match="no FLOP/s figure for float8"):
         H100.peak_flops("float8")
+
+
+def test_a_mixture_of_experts_is_planned_over_the_expert_axis(cache):
+    cfg = sk.models.GPTConfig.preset("mixtral-8x7b")
+    layouts = candidate_layouts(cfg, 64, 64, H100, PlanOptions(), seq=4096)
+    assert {s["expert"] for s in layouts} == {1, 2, 4, 8}
+    assert all(s["expert"] == 1 or (s["stage"] == 1 and s["sequence"] == 1) for s in layouts)
+    dense = candidate_layouts(sk.models.GPTConfig.preset("llama2-7b"), 64, 64, H100, PlanOptions(expert=(2,)))
+    assert dense == []  # a dense model has no experts to split
+    options = PlanOptions(tensor=(1,), sequence=(1,), stage=(1,), expert=(4,), remat=("none",))
+    result = plan("tiny-moe", 8, "h100", batch=16, seq=32, options=options, cache_dir=cache)
+    staged = {p["layout"]: p for p in result["plans"]}
+    assert "data=2,expert=4" in staged and staged["data=2,expert=4"]["bytes_by_axes"].get("expert", 0) > 0

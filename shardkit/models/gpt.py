@@ -38,6 +38,11 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "llama2-7b": dict(vocab=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_dim=11008, max_seq=4096),
     "llama2-13b": dict(vocab=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, mlp_dim=13824, max_seq=4096),
     "llama2-70b": dict(vocab=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, mlp_dim=28672, max_seq=4096),
+    # Mixtures of experts: 4 (tiny) and 8 (Mixtral 8x7B shapes) experts, top-2.
+    "tiny-moe": dict(vocab=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, mlp_dim=128, max_seq=128, n_experts=4),
+    "mixtral-8x7b": dict(
+        vocab=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, mlp_dim=14336, max_seq=4096, n_experts=8
+    ),
 }
 
 
@@ -105,7 +110,8 @@ class GPTConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> GPTConfig:
         """A named size: ``tiny``, ``mini``, ``gpt2-small``, ``gpt2-medium``, ``llama-1b``,
-        ``llama2-7b``, ``llama2-13b``, ``llama2-70b``."""
+        ``llama2-7b``, ``llama2-13b``, ``llama2-70b``; mixtures of experts ``tiny-moe``,
+        ``mixtral-8x7b``."""
         if name not in _PRESETS:
             raise ShardkitError(f"Unknown GPT preset {name!r}. Choose one of: {', '.join(_PRESETS)}.")
         return cls(**{**_PRESETS[name], **overrides})

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from shardkit.parallel.schedule import Phase, Schedule
 
-# (layer_params, shared_params, x_in, microbatch, stage, index) -> (x_out, loss, count)
+# (layer_params, shared_params, x_in, microbatch, virtual stage, index) -> (x_out, loss, count)
 StageLoss = Callable[[Any, Any, jax.Array, Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
 
 
@@ -45,13 +45,15 @@ def pipeline_value_and_grad(
     """Mean loss over microbatches and its gradients, computed by a pipeline over ``axis``.
 
     Args:
-      stage_loss: what one stage computes for one microbatch:
+      stage_loss: what one (virtual) stage computes for one microbatch:
         ``(layer_params, shared_params, x_in, microbatch, stage, index) -> (x_out, loss, count)``.
-        ``layer_params`` are this stage's layers (leading dimension ``L/p``); ``x_in`` is the
-        previous stage's ``x_out`` (zeros on stage 0, which starts from the microbatch itself);
+        ``stage`` is the virtual stage ``j`` in ``[0, v p)`` (the device's stage when ``v = 1``);
+        ``layer_params`` are its layers ``[j L/(v p), (j+1) L/(v p))``; ``x_in`` is the previous
+        stage's ``x_out`` (garbage on stage 0, which starts from the microbatch itself);
         ``loss`` is this stage's share of the microbatch loss (the head's loss on the last
         stage, auxiliary losses anywhere); ``count`` is read on the last stage only.
-      layer_params: tree of arrays with a leading layer dimension ``L``, sharded over ``axis``.
+      layer_params: tree of arrays with a leading layer dimension ``L``, sharded over ``axis``
+        (with ``v > 1`` chunks are regrouped by device each step: an all-to-all over ``axis``).
       shared_params: tree of arrays every stage needs (replicated over ``axis``).
       micro: tree of arrays with a leading microbatch dimension ``m``.
       boundary: shape and dtype of ``x_out`` (the activation passed between stages).
@@ -74,18 +76,21 @@ def pipeline_value_and_grad(
       >>> float(loss), gw.tolist()
       (6.0, [3.0, 2.0])
     """
-    p, m = schedule.stages, schedule.microbatches
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     if dict(mesh.shape).get(axis) != p:
         raise ValueError(f"schedule for {p} stages on a mesh whose {axis!r} axis has {dict(mesh.shape).get(axis)}")
+    slots = schedule.stash
 
     def island(layers: Any, shared: Any, micro: Any) -> tuple[jax.Array, jax.Array, Any, Any]:
-        stage = jax.lax.axis_index(axis)
+        device = jax.lax.axis_index(axis)
+        layers = jax.tree.map(lambda a: a[:, 0], layers)  # (v, L/(v p), ...): this device's chunks
         # Differentiate with respect to a per-stage copy of the shared parameters: a cotangent
         # of a stage-invariant input would be summed over stages at every tick, mixing
         # microbatches (and bubbles) of different stages; we sum once, at the end.
         shared = jax.tree.map(lambda a: jax.lax.pcast(a, (axis,), to="varying"), shared)
-        down = [(s, s + 1) for s in range(p - 1)]
-        up = [(s + 1, s) for s in range(p - 1)]
+        # Interleaved stages go round the ring: the last device feeds the first one's next chunk.
+        down = [(s, (s + 1) % p) for s in range(p if v > 1 else p - 1)]
+        up = [((s + 1) % p, s) for s in range(p if v > 1 else p - 1)]
 
         def take(tree: Any, i: jax.Array) -> Any:
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
@@ -93,34 +98,44 @@ def pipeline_value_and_grad(
         def keep_if(valid: jax.Array, new: Any, old: Any) -> Any:
             return jax.tree.map(lambda n, o: jnp.where(valid, n, o), new, old)
 
-        def forward_slot(carry: dict[str, Any], i: jax.Array) -> dict[str, Any]:
-            valid, i = i >= 0, jnp.maximum(i, 0)
+        def decode(q: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, Any]:
+            """Slot entry -> (valid, microbatch, virtual stage, stash slot, the chunk's layers)."""
+            valid, q = q >= 0, jnp.maximum(q, 0)
+            i, chunk = q % m, q // m
+            return valid, i, chunk * p + device, chunk * slots + i % slots, take(layers, chunk)
+
+        def forward_slot(carry: dict[str, Any], q: jax.Array) -> dict[str, Any]:
+            valid, i, stage, slot, chunk_layers = decode(q)
             x_in = carry["x_recv"]
-            x_out, _, _ = stage_loss(layers, shared, x_in, take(micro, i), stage, i)
-            slot = i % schedule.stash
+            x_out, _, _ = stage_loss(chunk_layers, shared, x_in, take(micro, i), stage, i)
             old = jax.lax.dynamic_index_in_dim(carry["stash"], slot, keepdims=False)
             stash = jax.lax.dynamic_update_index_in_dim(carry["stash"], jnp.where(valid, x_in, old), slot, 0)
             return carry | {"stash": stash, "x_recv": jax.lax.ppermute(x_out, axis, down)}
 
-        def backward_slot(carry: dict[str, Any], i: jax.Array) -> dict[str, Any]:
-            valid, i = i >= 0, jnp.maximum(i, 0)
-            x_in = jax.lax.dynamic_index_in_dim(carry["stash"], i % schedule.stash, keepdims=False)
+        def backward_slot(carry: dict[str, Any], q: jax.Array) -> dict[str, Any]:
+            valid, i, stage, slot, chunk_layers = decode(q)
+            x_in = jax.lax.dynamic_index_in_dim(carry["stash"], slot, keepdims=False)
             mb = take(micro, i)
 
             def run(lp: Any, sp: Any, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
                 x_out, loss, count = stage_loss(lp, sp, x, mb, stage, i)
                 return (x_out, loss), count
 
-            (_, loss), vjp, count = jax.vjp(run, layers, shared, x_in, has_aux=True)
+            (_, loss), vjp, count = jax.vjp(run, chunk_layers, shared, x_in, has_aux=True)
             seed = jax.lax.pcast(jnp.asarray(1.0 / m, loss.dtype), (axis,), to="varying")
             g_layers, g_shared, dx = vjp((carry["dx_recv"], seed))
 
             def add(acc: Any, g: Any) -> Any:
                 return keep_if(valid, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g), acc)
 
-            last = valid & (stage == p - 1)
+            def add_chunk(acc: jax.Array, g: jax.Array) -> jax.Array:
+                now = jax.lax.dynamic_index_in_dim(acc, stage // p, keepdims=False)
+                new = jax.lax.dynamic_update_index_in_dim(acc, now + g.astype(jnp.float32), stage // p, 0)
+                return jnp.where(valid, new, acc)
+
+            last = valid & (stage == v * p - 1)
             return carry | {
-                "g_layers": add(carry["g_layers"], g_layers),
+                "g_layers": jax.tree.map(add_chunk, carry["g_layers"], g_layers),
                 "g_shared": add(carry["g_shared"], g_shared),
                 "loss": carry["loss"] + jnp.where(valid, loss.astype(jnp.float32), 0.0),
                 "count": carry["count"] + jnp.where(last, count, 0).astype(jnp.int32),
@@ -131,9 +146,9 @@ def pipeline_value_and_grad(
             def tick(carry: dict[str, Any], row: tuple[jax.Array, jax.Array]) -> tuple[dict[str, Any], None]:
                 fwd, bwd = row
                 if "F" in phase.kind:
-                    carry = forward_slot(carry, fwd[stage])
+                    carry = forward_slot(carry, fwd[device])
                 if "B" in phase.kind:
-                    carry = backward_slot(carry, bwd[stage])
+                    carry = backward_slot(carry, bwd[device])
                 return carry, None
 
             rows = (jnp.asarray(phase.forward, jnp.int32), jnp.asarray(phase.backward, jnp.int32))
@@ -143,7 +158,7 @@ def pipeline_value_and_grad(
         carry = {
             "x_recv": jnp.zeros(boundary.shape, boundary.dtype),
             "dx_recv": jnp.zeros(boundary.shape, boundary.dtype),
-            "stash": jnp.zeros((schedule.stash, *boundary.shape), boundary.dtype),
+            "stash": jnp.zeros((v * slots, *boundary.shape), boundary.dtype),
             "g_layers": zeros_f32(layers),
             "g_shared": zeros_f32(shared),
             "loss": jnp.zeros((), jnp.float32),
@@ -155,9 +170,15 @@ def pipeline_value_and_grad(
             carry = run_phase(carry, phase)
         loss = jax.lax.psum(carry["loss"], axis) / m
         count = jax.lax.psum(carry["count"], axis)
-        return loss, count, carry["g_layers"], jax.lax.psum(carry["g_shared"], axis)
+        g_layers = jax.tree.map(lambda g: g[:, None], carry["g_layers"])  # (v, 1, L/(v p), ...)
+        return loss, count, g_layers, jax.lax.psum(carry["g_shared"], axis)
 
-    stage_spec = jax.tree.map(lambda _: PartitionSpec(axis), layer_params)
+    # (L, ...) -> (v, p, L/(v p), ...): chunk c of device s is virtual stage c p + s, layers in order.
+    def by_device(a: jax.Array) -> jax.Array:
+        return a.reshape(v, p, a.shape[0] // (v * p), *a.shape[1:])
+
+    chunked = jax.tree.map(by_device, layer_params)
+    stage_spec = jax.tree.map(lambda _: PartitionSpec(None, axis), chunked)
     everywhere = lambda tree: jax.tree.map(lambda _: PartitionSpec(), tree)
     run = jax.shard_map(
         island,
@@ -166,4 +187,6 @@ def pipeline_value_and_grad(
         out_specs=(PartitionSpec(), PartitionSpec(), stage_spec, everywhere(shared_params)),
         axis_names={axis},
     )
-    return run(layer_params, shared_params, micro)
+    loss, count, g_layers, g_shared = run(chunked, shared_params, micro)
+    g_layers = jax.tree.map(lambda g, a: g.reshape(a.shape), g_layers, layer_params)
+    return loss, count, g_layers, g_shared

@@ -20,10 +20,20 @@ share the forward's tick (the forward slot runs first).
 
 Both have the bubble ``(p - 1) / (m + p - 1)`` of the step for any forward and backward costs.
 
+With ``virtual_stages=v > 1`` (interleaved stages, Narayanan et al. 2021; "circular" in MaxText)
+each device holds ``v`` chunks of ``L / (v p)`` layers, chunk ``c`` of device ``s`` being virtual
+stage ``j = c p + s``, and a microbatch goes round the ring of devices ``v`` times. Microbatches
+enter in groups of ``p``; a tick runs one chunk, ``1/v`` of a stage, and the bubble falls to
+``(p - 1) / (v m + p - 1)``. Needs ``m`` divisible by ``p``.
+
+A slot holds ``c m + i`` for chunk ``c`` of microbatch ``i`` (just ``i`` when ``v = 1``), or -1.
+
 Example:
   >>> s = make_schedule("1f1b", stages=4, microbatches=8)
   >>> s.ticks, s.stash, round(s.bubble(), 3)
   (14, 7, 0.273)
+  >>> round(make_schedule("1f1b", stages=4, microbatches=8, virtual_stages=2).bubble(), 3)
+  0.158
 """
 
 from __future__ import annotations
@@ -43,8 +53,8 @@ IDLE = -1
 class Phase:
     """A run of ticks of one kind: ``"F"`` (forward slot), ``"B"`` (backward) or ``"FB"`` (both).
 
-    ``forward`` and ``backward`` are ``(ticks, stages)`` int arrays: the microbatch each stage
-    runs in that slot at that tick, or ``-1`` (idle).
+    ``forward`` and ``backward`` are ``(ticks, stages)`` int arrays: what each device runs in
+    that slot at that tick (``chunk * m + microbatch``), or ``-1`` (idle).
     """
 
     kind: str
@@ -58,14 +68,15 @@ class Phase:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Schedule:
-    """A lock-step pipeline schedule for ``stages`` stages and ``microbatches`` microbatches.
+    """A lock-step pipeline schedule for ``stages`` devices and ``microbatches`` microbatches.
 
     Attributes:
       name: ``"gpipe"`` or ``"1f1b"``.
-      stages: ``p``.
+      stages: ``p``, the devices along the stage axis.
       microbatches: ``m``.
       phases: the ticks, grouped into runs of one kind.
-      stash: how many microbatch inputs a stage must keep at once (the most in flight on any stage).
+      stash: how many inputs of one chunk a device must keep at once (slot ``i % stash``).
+      virtual_stages: ``v``, the chunks of layers on each device.
     """
 
     name: str
@@ -73,6 +84,7 @@ class Schedule:
     microbatches: int
     phases: tuple[Phase, ...]
     stash: int
+    virtual_stages: int = 1
 
     @property
     def ticks(self) -> int:
@@ -83,17 +95,18 @@ class Schedule:
         return [(ph.kind, ph.forward[t], ph.backward[t]) for ph in self.phases for t in range(ph.ticks)]
 
     def bubble(self, forward_cost: float = 1.0, backward_cost: float = 2.0) -> float:
-        """Idle fraction of the step on every stage, for the given slot costs.
+        """Idle fraction of the step on every device, for the given costs of a whole stage.
 
-        A tick lasts the cost of its slots; a stage is busy ``m * (forward + backward)`` of it.
+        A tick lasts the cost of its slots (one chunk: ``1/v`` of a stage); a device is busy
+        ``m * (forward + backward)`` of it.
         """
         total = sum(
             ph.ticks * (forward_cost * ("F" in ph.kind) + backward_cost * ("B" in ph.kind)) for ph in self.phases
         )
-        return 1.0 - self.microbatches * (forward_cost + backward_cost) / total
+        return 1.0 - self.microbatches * self.virtual_stages * (forward_cost + backward_cost) / total
 
     def in_flight(self) -> np.ndarray:
-        """``(ticks, stages)``: microbatches whose input a stage holds after each tick's forward slot."""
+        """``(ticks, stages)``: chunk inputs a device holds after each tick's forward slot."""
         held = np.zeros(self.stages, int)
         out = []
         for _, fwd, bwd in self.rows():
@@ -104,16 +117,17 @@ class Schedule:
 
     def check(self) -> None:
         """Raise if the table breaks a timing rule, runs a slot twice, or overflows the stash."""
-        p, m = self.stages, self.microbatches
-        fwd_tick = np.full((m, p), -1)
-        bwd_tick = np.full((m, p), -1)
+        p, m, v = self.stages, self.microbatches, self.virtual_stages
+        fwd_tick = np.full((m, v * p), -1)  # [microbatch, virtual stage]
+        bwd_tick = np.full((m, v * p), -1)
         for t, (_, fwd, bwd) in enumerate(self.rows()):
             for s in range(p):
-                for table, i in ((fwd_tick, fwd[s]), (bwd_tick, bwd[s])):
-                    if i >= 0:
-                        if table[i, s] >= 0:
-                            raise AssertionError(f"{self.name}: microbatch {i} runs twice on stage {s}")
-                        table[i, s] = t
+                for table, q in ((fwd_tick, fwd[s]), (bwd_tick, bwd[s])):
+                    if q >= 0:
+                        i, j = q % m, (q // m) * p + s
+                        if table[i, j] >= 0:
+                            raise AssertionError(f"{self.name}: microbatch {i} runs twice on virtual stage {j}")
+                        table[i, j] = t
         if (fwd_tick < 0).any() or (bwd_tick < 0).any():
             raise AssertionError(f"{self.name}: some microbatch misses a forward or backward slot")
         if (np.diff(fwd_tick, axis=1) != 1).any():
@@ -122,20 +136,27 @@ class Schedule:
             raise AssertionError(f"{self.name}: a backward does not follow the next stage's by one tick")
         if (bwd_tick[:, -1] < fwd_tick[:, -1]).any():
             raise AssertionError(f"{self.name}: a backward runs before its forward on the last stage")
-        for s in range(p):  # slots are reused modulo `stash`: in flight must be consecutive and fit
+        for j in range(v * p):  # slots are reused modulo `stash`: in flight must be consecutive and fit
             for i in range(m):
-                later = [j for j in range(i + 1, m) if fwd_tick[j, s] <= bwd_tick[i, s]]
+                later = [k for k in range(i + 1, m) if fwd_tick[k, j] <= bwd_tick[i, j]]
                 if later and (later != list(range(i + 1, i + 1 + len(later))) or len(later) >= self.stash):
-                    raise AssertionError(f"{self.name}: stash of {self.stash} overflows on stage {s}")
+                    raise AssertionError(f"{self.name}: stash of {self.stash} overflows on virtual stage {j}")
 
     def format(self) -> str:
-        """The table as text: one line per tick, one column per stage (``F3``: forward of
-        microbatch 3, ``B0``: backward of 0, ``.``: idle)."""
+        """The table as text: one line per tick, one column per device (``F3``: forward of
+        microbatch 3, ``B0``: backward of 0, ``F3.1``: of its chunk 1, ``.``: idle)."""
+        m, v = self.microbatches, self.virtual_stages
+
+        def name(kind: str, q: int) -> str:
+            if q < 0:
+                return ""
+            return f"{kind}{q % m}" + (f".{q // m}" if v > 1 else "")
+
         lines = ["tick  " + "  ".join(f"stage {s:<3d}" for s in range(self.stages))]
         for t, (_, fwd, bwd) in enumerate(self.rows()):
             cells = []
             for s in range(self.stages):
-                parts = [f"F{fwd[s]}" if fwd[s] >= 0 else "", f"B{bwd[s]}" if bwd[s] >= 0 else ""]
+                parts = [name("F", fwd[s]), name("B", bwd[s])]
                 cells.append((" ".join(x for x in parts if x) or ".").ljust(9))
             lines.append((f"{t:4d}  " + "  ".join(cells)).rstrip())
         return "\n".join(lines)
@@ -145,41 +166,48 @@ def _build(
     name: str,
     p: int,
     m: int,
+    v: int,
     fwd_at: Callable[[int, int], int],
     bwd_at: Callable[[int, int], int],
 ) -> Schedule:
-    """A schedule from the tick of every (microbatch, stage) forward and backward."""
-    ticks = 1 + max(max(fwd_at(i, s), bwd_at(i, s)) for i in range(m) for s in range(p))
+    """A schedule from the tick of every (microbatch, virtual stage) forward and backward."""
+    ticks = 1 + max(max(fwd_at(i, j), bwd_at(i, j)) for i in range(m) for j in range(v * p))
     fwd = np.full((ticks, p), IDLE)
     bwd = np.full((ticks, p), IDLE)
     for i in range(m):
-        for s in range(p):
-            fwd[fwd_at(i, s), s] = i
-            bwd[bwd_at(i, s), s] = i
+        for j in range(v * p):
+            for table, t in ((fwd, fwd_at(i, j)), (bwd, bwd_at(i, j))):
+                if table[t, j % p] != IDLE:
+                    raise AssertionError(f"{name}: two slots of one kind on device {j % p} at tick {t}")
+                table[t, j % p] = (j // p) * m + i
     kinds = ["F" * bool((fwd[t] >= 0).any()) + "B" * bool((bwd[t] >= 0).any()) for t in range(ticks)]
     phases, start = [], 0
     for t in range(1, ticks + 1):
         if t == ticks or kinds[t] != kinds[start]:
             phases.append(Phase(kinds[start], fwd[start:t], bwd[start:t]))
             start = t
-    held = np.zeros(p, int)
+    # The most inputs of one chunk a device holds at once: that chunk's ring of slots.
     most = 0
-    for t in range(ticks):
-        held += fwd[t] >= 0
-        most = max(most, int(held.max()))
-        held -= bwd[t] >= 0
-    schedule = Schedule(name, p, m, tuple(phases), most)
+    for j in range(v * p):
+        # (tick, 0) is a forward filling a slot, (tick, 1) a backward freeing one, later in its tick.
+        events = sorted([(fwd_at(i, j), 0) for i in range(m)] + [(bwd_at(i, j), 1) for i in range(m)])
+        count = 0
+        for _, frees in events:
+            count += -1 if frees else 1
+            most = max(most, count)
+    schedule = Schedule(name, p, m, tuple(phases), most, v)
     schedule.check()
     return schedule
 
 
-def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
+def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """The lock-step table of schedule ``name`` (``"gpipe"`` or ``"1f1b"``).
 
     Args:
       name: the schedule.
-      stages: pipeline stages ``p`` (the ``stage`` mesh axis size), >= 1.
-      microbatches: microbatches ``m`` per step, >= 1.
+      stages: pipeline devices ``p`` (the ``stage`` mesh axis size), >= 1.
+      microbatches: microbatches ``m`` per step, >= 1 (a multiple of ``p`` when ``v > 1``).
+      virtual_stages: chunks of layers per device ``v`` (interleaved stages), >= 1.
 
     Returns:
       A checked :class:`Schedule`.
@@ -190,10 +218,24 @@ def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
     """
     if name not in SCHEDULES:
         raise ShardkitError(f"Unknown pipeline schedule {name!r}. Choose one of: {', '.join(SCHEDULES)}.")
-    for what, n in (("stages", stages), ("microbatches", microbatches)):
+    for what, n in (("stages", stages), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ShardkitError(f"Pipeline {what} must be a positive integer, got {n!r}.")
-    p, m = stages, microbatches
+    p, m, v = stages, microbatches, virtual_stages
+    if v > 1 and m % p:
+        raise ShardkitError(
+            f"Interleaved stages (virtual_stages={v}) send microbatches round the {p} stages in groups of {p}: "
+            f"microbatches={m} must be a multiple of {p}."
+        )
+
+    def forward(i: int, j: int) -> int:
+        # Group g of p microbatches takes v p ticks; chunk c of device s runs (i, j = c p + s) at
+        # g v p + c p + (i mod p) + s: one forward per device per tick, one tick per hop.
+        return (i // p) * v * p + (j // p) * p + i % p + j % p
+
+    last = v * p - 1
     if name == "gpipe":
-        return _build(name, p, m, lambda i, s: i + s, lambda i, s: (m + p - 1) + i + (p - 1 - s))
-    return _build(name, p, m, lambda i, s: i + s, lambda i, s: i + 2 * (p - 1) - s)
+        end = forward(m - 1, last)  # every forward first, then the backwards in mirror order
+        return _build(name, p, m, v, forward, lambda i, j: 2 * end + 1 - forward(i, j))
+    # 1F1B: the backward starts on the last stage right after the forward, and climbs back.
+    return _build(name, p, m, v, forward, lambda i, j: forward(i, last) + last - j)
