@@ -251,6 +251,11 @@ def test_interleaved_stages_need_whole_groups_and_enough_layers():
         sk.Trainer(CFG.model(), optax.sgd(0.1), "stage=4,data=2", microbatches=4, virtual_stages=2)
 
 
+def test_nnx_model_without_the_stage_methods_is_refused():
+    with pytest.raises(sk.errors.ShardkitError, match="lacks the method.*embed_inputs, run_layers, head"):
+        sk.from_nnx(lambda rngs: sk.models.MLP(sk.models.MLPConfig(), rngs=rngs), stacked_layers="layers")
+
+
 def test_schedule_without_stages_and_unknown_schedule_are_refused():
     with pytest.raises(sk.errors.ShardkitError, match="need pipeline stages"):
         sk.Trainer(CFG.model(), optax.sgd(0.1), "data=8", schedule="gpipe")

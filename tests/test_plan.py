@@ -20,10 +20,11 @@ def cache(tmp_path_factory):
 
 
 def test_a_small_model_gets_pure_data_parallelism(cache):
-    # Even with sequence splits and pipelines on offer (narrowed to keep the test quick).
-    options = PlanOptions(tensor=(1,), sequence=(1, 2), stage=(1, 2))
+    # Even with sequence splits on offer (narrowed to keep the test quick; the bubble test below
+    # plans pipelines).
+    options = PlanOptions(tensor=(1,), sequence=(1, 2), stage=(1,))
     result = plan("tiny", 8, "h100", batch=16, seq=64, options=options, cache_dir=cache)
-    assert {"data=4,sequence=2", "data=4,stage=2"} <= {p["layout"] for p in result["plans"]}
+    assert "data=4,sequence=2" in {p["layout"] for p in result["plans"]}
     assert result["best"] == "data=8"
     top = result["plans"][0]
     assert top["fits"] and top["predicted_step_seconds"] > 0 and 0 < top["predicted_mfu"] <= 1

@@ -15,6 +15,10 @@ move one stage down, after the backward slots their gradients one stage up (``pp
 The backward slot recomputes the stage's forward from the stashed stage input (``jax.vjp``), so
 a stage keeps only the inputs of its microbatches in flight (``Schedule.stash`` of them) plus
 one microbatch's intermediate activations; gradients accumulate in float32 as they come.
+
+Interleaved stages (``Schedule.virtual_stages = v``): a device runs ``v`` chunks of layers, the
+ring wraps round (the last device feeds the first device's next chunk), and the layer stack,
+stored in layer order, is regrouped by device on the way in (its gradients on the way out).
 """
 
 from __future__ import annotations
