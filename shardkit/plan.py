@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -33,7 +34,7 @@ from jax._src import xla_bridge
 from shardkit.dryrun import DryRunConfig, can_run_here
 from shardkit.errors import ShardkitError
 from shardkit.hardware import PROFILES, Hardware, get_hardware
-from shardkit.mesh import MESH_AXES
+from shardkit.mesh import Layout
 from shardkit.models.gpt import GPTConfig
 from shardkit.precision import as_precision
 
@@ -68,13 +69,13 @@ class Plan:
     fits: bool
     memory_per_device: float
     bytes_by_axes: dict[str, float]
-    compute_seconds: float | None
-    comm_seconds: float | None
-    predicted_step_seconds: float | None  # compute then communication, no overlap
-    predicted_step_seconds_overlap: float | None  # perfect overlap: the larger of the two
-    predicted_mfu: float | None
+    # Predictions: None for a plan that was not compiled.
+    compute_seconds: float | None = None
+    comm_seconds: float | None = None
+    predicted_step_seconds: float | None = None  # compute then communication, no overlap
+    predicted_step_seconds_overlap: float | None = None  # perfect overlap: the larger of the two
+    predicted_mfu: float | None = None
     note: str = ""
-
     schedule: str | None = None
 
     def cli_flags(self) -> str:
@@ -110,7 +111,7 @@ def estimate(result: dict[str, Any], hw: Hardware, compute_dtype: str) -> dict[s
       ``compute_seconds``, ``comm_seconds``, ``step_seconds`` (no overlap), ``step_seconds_overlap``,
       ``mfu`` (model FLOPs over the whole machine's peak in the no-overlap step time).
     """
-    links = axis_links(dict(_layout_shape(result["layout"])), hw)
+    links = axis_links(dict(Layout.parse(result["layout"]).sizes), hw)
     peak = hw.peak_flops(compute_dtype)
     compute = result["flops_per_device"] / peak
     comm = 0.0
@@ -130,15 +131,6 @@ def estimate(result: dict[str, Any], hw: Hardware, compute_dtype: str) -> dict[s
     }
 
 
-def _layout_shape(spec: str) -> dict[str, int]:
-    sizes = {a: 1 for a in MESH_AXES}
-    for part in spec.split(","):
-        name, _, value = part.partition("=")
-        if name in sizes:
-            sizes[name] = int(value)
-    return sizes
-
-
 def candidate_layouts(
     cfg: GPTConfig, devices: int, batch: int, hw: Hardware, options: PlanOptions, seq: int | None = None
 ) -> list[dict[str, int]]:
@@ -146,36 +138,36 @@ def candidate_layouts(
     model, the batch and the sequence length ``seq`` allow: at most one of ``sequence``, ``stage``
     and ``expert`` above 1 (``expert`` only for a mixture of experts); tensor and sequence inside
     a node."""
-    node = hw.devices_per_node
-    tensors = options.tensor or tuple(t for t in (1, 2, 4, 8, 16) if t <= node)
-    sequences = options.sequence or (1, 2, 4, 8)
-    stages = options.stage or (1, 2, 4, 8)
+    tensors = options.tensor or tuple(t for t in (1, 2, 4, 8, 16) if t <= hw.devices_per_node)
     experts = options.expert or tuple(e for e in (1, 2, 4, 8, 16) if cfg.n_experts and cfg.n_experts % e == 0)
+
+    def allowed(t: int, s: int, p: int, e: int) -> bool:
+        return (
+            devices % (t * s * p * e) == 0
+            and not (cfg.n_kv_heads % t or cfg.n_heads % t or cfg.mlp_dim % t or cfg.vocab % t)
+            and (s == 1 or (seq is not None and seq % s == 0))
+            and cfg.n_layers % p == 0
+            and (e == 1 or (cfg.n_experts > 0 and cfg.n_experts % e == 0))
+            and sum(x > 1 for x in (s, p, e)) <= 1  # pipelines and islands do not nest yet
+        )
+
     out = []
-    for t in tensors:
-        if devices % t or t > node or cfg.n_kv_heads % t or cfg.n_heads % t or cfg.mlp_dim % t or cfg.vocab % t:
+    for t, s, p, e in itertools.product(
+        tensors, options.sequence or (1, 2, 4, 8), options.stage or (1, 2, 4, 8), experts or (1,)
+    ):
+        if not allowed(t, s, p, e):
             continue
-        for s in sequences:
-            if devices % (t * s) or t * s > node or (s > 1 and (seq is None or seq % s)):
-                continue
-            for p, e in ((p, e) for p in stages for e in experts or (1,)):
-                misfit_experts = e > 1 and (not cfg.n_experts or cfg.n_experts % e)
-                if sum(x > 1 for x in (s, p, e)) > 1 or cfg.n_layers % p or misfit_experts:
-                    continue
-                if devices % (t * s * p * e):
-                    continue
-                rest = devices // (t * s * p * e)
-                for f in (d for d in range(1, rest + 1) if rest % d == 0):
-                    d = rest // f
-                    if cfg.dim % f or batch % (d * f * e):
-                        continue
-                    shape = {"data": d, "fsdp": f, "tensor": t, "sequence": s, "stage": p, "expert": e}
-                    links = axis_links(shape, hw)
-                    # Stages come after tensor in the mesh order, so t * s * p devices must fit in a
-                    # node or tensor steps between nodes. (Pipelines between nodes with tensor inside
-                    # need across_hosts=stage, not searched yet.)
-                    if links["tensor"] == "intra" and links["sequence"] == "intra":
-                        out.append(shape)
+        rest = devices // (t * s * p * e)
+        for f in (f for f in range(1, rest + 1) if rest % f == 0 and cfg.dim % f == 0):
+            d = rest // f
+            shape = {"data": d, "fsdp": f, "tensor": t, "sequence": s, "stage": p, "expert": e}
+            links = axis_links(shape, hw)
+            # Stages come after tensor in the mesh order, so t * s * p devices must fit in a node
+            # or tensor steps between nodes; the link check covers the node size for tensor and
+            # sequence. (Pipelines between nodes with tensor inside need across_hosts=stage, not
+            # searched yet.)
+            if batch % (d * f * e) == 0 and links["tensor"] == links["sequence"] == "intra":
+                out.append(shape)
     return out
 
 
@@ -265,29 +257,15 @@ def plan(
     plans: list[Plan] = []
     for shape in candidate_layouts(cfg, devices, batch, hw, options, seq):
         spec = _spec(shape)
-        pipelined = shape["stage"] > 1
+        schedule = options.schedule if shape["stage"] > 1 else None
         split = shape["fsdp"] * shape["tensor"] * shape["stage"] * shape["expert"]  # ~ what the big weights divide by
         state = cfg.num_params() * state_per_param / split
         if state > budget:
-            plans.append(
-                Plan(
-                    spec,
-                    1,
-                    options.remat[0],
-                    False,
-                    state,
-                    {},
-                    None,
-                    None,
-                    None,
-                    None,
-                    None,
-                    "model state alone exceeds the memory budget (not compiled)",
-                )
-            )
+            note = "model state alone exceeds the memory budget (not compiled)"
+            plans.append(Plan(spec, 1, options.remat[0], False, state, {}, note=note))
             continue
         chosen = None
-        counts = sorted(options.microbatches, reverse=pipelined)
+        counts = sorted(options.microbatches, reverse=schedule is not None)
         for remat in options.remat:
             for mb in counts:
                 if batch % (shape["data"] * shape["fsdp"] * shape["expert"] * mb):
@@ -300,7 +278,7 @@ def plan(
                     precision=precision.name,
                     microbatches=mb,
                     remat=remat,
-                    schedule=options.schedule if pipelined else None,
+                    schedule=schedule,
                 )
                 result = cache.get(dr)
                 if result is None:
@@ -330,7 +308,7 @@ def plan(
                 t["step_seconds"],
                 t["step_seconds_overlap"],
                 t["mfu"],
-                schedule=options.schedule if pipelined else None,
+                schedule=schedule,
             )
         )
     if not plans:

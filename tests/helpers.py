@@ -10,6 +10,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 import optax
+from flax import nnx
 
 import shardkit as sk
 
@@ -53,6 +54,33 @@ def reference_training(
         params, opt_state, loss = step(params, opt_state, jax.device_put(b, device))
         losses.append(float(loss))
     return losses, jax.device_get(params)
+
+
+def gpt_reference(
+    cfg: sk.models.GPTConfig, optimizer: optax.GradientTransformation, batches: list[dict], microbatches: int = 1
+) -> tuple[list[float], dict]:
+    """The GPT trained by :func:`reference_training`: flax and optax only, optax's cross-entropy
+    plus the load-balancing loss of a mixture of experts. With ``microbatches`` the batch is
+    split as shardkit splits it (microbatch i: rows i::m) and the losses averaged, which matters
+    only where the microbatch is part of the maths (the routing capacity of experts)."""
+    graphdef = nnx.graphdef(sk.models.GPT(cfg, rngs=nnx.Rngs(0)))
+
+    def one(params: dict, tokens: jax.Array) -> jax.Array:
+        out = nnx.merge(graphdef, params)(tokens[:, :-1])
+        logits, aux = out if isinstance(out, tuple) else (out, 0.0)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean() + aux
+
+    def loss(params: dict, batch: dict) -> jax.Array:
+        m = microbatches
+        return sum(one(params, batch["tokens"][i::m]) for i in range(m)) / m
+
+    return reference_training(
+        init_params=lambda key: nnx.to_pure_dict(nnx.state(sk.models.GPT(cfg, rngs=nnx.Rngs(key)), nnx.Param)),
+        forward=lambda params, batch: params,  # the loss runs the model itself, microbatch by microbatch
+        loss_fn=loss,
+        optimizer=optimizer,
+        batches=batches,
+    )
 
 
 def run_trainer(trainer: sk.Trainer, batches: list[dict], seed: int = 0) -> tuple[list[float], dict]:

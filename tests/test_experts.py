@@ -5,11 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-from helpers import reference_training, run_trainer
+from helpers import gpt_reference, run_trainer
 
 import shardkit as sk
-from shardkit.models import GPT, GPTConfig
+from shardkit.models import GPTConfig
 from shardkit.parallel import route
 
 CFG = GPTConfig.preset("tiny", n_experts=4, top_k=2, capacity_factor=1.0)
@@ -43,19 +42,7 @@ def test_balanced_router_has_unit_load_balancing_loss():
 
 @pytest.fixture(scope="module")
 def reference():
-    graphdef = nnx.graphdef(GPT(CFG, rngs=nnx.Rngs(0)))
-
-    def loss(out, batch):
-        logits, aux = out
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean() + aux
-
-    return reference_training(
-        init_params=lambda key: nnx.to_pure_dict(nnx.state(GPT(CFG, rngs=nnx.Rngs(key)), nnx.Param)),
-        forward=lambda p, batch: nnx.merge(graphdef, p)(batch["tokens"][:, :-1]),
-        loss_fn=loss,
-        optimizer=optax.adamw(3e-3),
-        batches=BATCHES,
-    )[0]
+    return gpt_reference(CFG, optax.adamw(3e-3), BATCHES)[0]
 
 
 @pytest.mark.parametrize("layout", ["expert=4,data=2", "expert=2,fsdp=2,tensor=2", "expert=4,fsdp=2"])

@@ -4,8 +4,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-from helpers import CORE_LAYOUTS, assert_trees_close, reference_training, run_trainer
+from helpers import CORE_LAYOUTS, assert_trees_close, gpt_reference, run_trainer
 
 import shardkit as sk
 from shardkit.models import GPT, GPTConfig
@@ -16,19 +15,8 @@ DATA = sk.TextDataset.builtin()
 BATCHES = [DATA.batch(step, batch_size=8, seq_len=32) for step in range(STEPS)]
 
 
-def ce_loss(logits, batch):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
-
-
 def make_reference(optimizer):
-    graphdef = nnx.graphdef(GPT(CFG, rngs=nnx.Rngs(0)))
-    return reference_training(
-        init_params=lambda key: nnx.to_pure_dict(nnx.state(GPT(CFG, rngs=nnx.Rngs(key)), nnx.Param)),
-        forward=lambda p, batch: nnx.merge(graphdef, p)(batch["tokens"][:, :-1]),
-        loss_fn=ce_loss,
-        optimizer=optimizer,
-        batches=BATCHES,
-    )
+    return gpt_reference(CFG, optimizer, BATCHES)
 
 
 @pytest.fixture(scope="module")

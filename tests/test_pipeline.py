@@ -7,11 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-from helpers import assert_trees_close, reference_training, run_cli, run_trainer
+from helpers import assert_trees_close, gpt_reference, run_cli, run_trainer
 
 import shardkit as sk
-from shardkit.models import GPT, GPTConfig
+from shardkit.models import GPTConfig
 from shardkit.parallel.pipeline import pipeline_value_and_grad
 from shardkit.parallel.schedule import make_schedule
 
@@ -98,32 +97,9 @@ def test_executor_matches_jax_grad(name, m, v):
 # -- GPT over the stage axis ---------------------------------------------------------------------
 
 
-def _reference(cfg, optimizer, microbatches=1):
-    """Plain jax on one device; the batch split as shardkit splits it (microbatch i: rows i::m),
-    which matters only where the microbatch is part of the maths (routing capacity of experts)."""
-    graphdef = nnx.graphdef(GPT(cfg, rngs=nnx.Rngs(0)))
-
-    def one(p, tokens):
-        out = nnx.merge(graphdef, p)(tokens[:, :-1])
-        logits, aux = out if isinstance(out, tuple) else (out, 0.0)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean() + aux
-
-    def loss(params, batch):
-        m = microbatches
-        return sum(one(params, batch["tokens"][i::m]) for i in range(m)) / m
-
-    return reference_training(
-        init_params=lambda key: nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(key)), nnx.Param)),
-        forward=lambda p, batch: p,  # the loss runs the model itself, microbatch by microbatch
-        loss_fn=loss,
-        optimizer=optimizer,
-        batches=BATCHES,
-    )
-
-
 @pytest.fixture(scope="module")
 def sgd_reference():
-    return _reference(CFG, optax.sgd(0.5))
+    return gpt_reference(CFG, optax.sgd(0.5), BATCHES)
 
 
 @pytest.mark.parametrize(
@@ -148,7 +124,7 @@ def test_pipelined_gpt_matches_single_device(layout, schedule, microbatches, vir
 
 def test_pipelined_moe_gpt_matches_single_device():
     cfg = GPTConfig.preset("tiny", n_layers=2, n_experts=4, top_k=2, capacity_factor=1.0)
-    want, _ = _reference(cfg, optax.adamw(3e-3), microbatches=2)
+    want, _ = gpt_reference(cfg, optax.adamw(3e-3), BATCHES, microbatches=2)
     trainer = sk.Trainer(cfg.model(), optax.adamw(3e-3), "stage=2,data=4", microbatches=2)
     losses, _ = run_trainer(trainer, BATCHES)
     np.testing.assert_allclose(losses, want, rtol=2e-5)  # the load-balancing loss of both stages counts

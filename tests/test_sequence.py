@@ -5,12 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-from helpers import reference_training, run_trainer
+from helpers import gpt_reference, run_trainer
 
 import shardkit as sk
 from shardkit import hlo
-from shardkit.models import GPT, GPTConfig
+from shardkit.models import GPTConfig
 from shardkit.parallel import ring_attention
 
 CFG = GPTConfig.preset("tiny")
@@ -73,20 +72,9 @@ def test_attention_memory_per_device_falls_with_the_ring():
     assert eight < four / 2 * 1.25
 
 
-def gpt_reference():
-    graphdef = nnx.graphdef(GPT(CFG, rngs=nnx.Rngs(0)))
-    return reference_training(
-        init_params=lambda key: nnx.to_pure_dict(nnx.state(GPT(CFG, rngs=nnx.Rngs(key)), nnx.Param)),
-        forward=lambda p, batch: nnx.merge(graphdef, p)(batch["tokens"][:, :-1]),
-        loss_fn=lambda logits, b: optax.softmax_cross_entropy_with_integer_labels(logits, b["tokens"][:, 1:]).mean(),
-        optimizer=optax.adamw(1e-3),
-        batches=BATCHES,
-    )
-
-
 @pytest.fixture(scope="module")
 def reference():
-    return gpt_reference()[0]
+    return gpt_reference(CFG, optax.adamw(1e-3), BATCHES)[0]
 
 
 @pytest.mark.parametrize(

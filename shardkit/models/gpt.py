@@ -305,10 +305,15 @@ class GPT(nnx.Module):
             return None
         return jax.random.split(key, self.cfg.n_layers + 1)
 
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """``cfg.dtype``, or the parameters' own dtype when it is None."""
+        return self.embed[...].dtype if self.cfg.dtype is None else jnp.dtype(self.cfg.dtype)
+
     def embed_inputs(self, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """``(B, T)`` tokens -> ``(B, T, D)`` embeddings (with dropout when ``key`` is given)."""
         cfg = self.cfg
-        dt = self.embed[...].dtype if cfg.dtype is None else jnp.dtype(cfg.dtype)
+        dt = self.compute_dtype
         keys = self._keys(key)
         # Gather the table's embed dimension first (what FSDP does for every weight), so the
         # lookup is a vocab-parallel gather rather than a reshard of the (B, T, D) activations.
@@ -356,7 +361,7 @@ class GPT(nnx.Module):
 
     def head(self, x: jax.Array) -> jax.Array:
         """``(B, T, D)`` -> ``(B, T, V)`` logits: final norm and output projection."""
-        dt = self.embed[...].dtype if self.cfg.dtype is None else jnp.dtype(self.cfg.dtype)
+        dt = self.compute_dtype
         x = self.final_norm(x)
         with jax.named_scope("lm_head"):
             logits = x @ self.lm_head[...].astype(dt)  # (B, T, V)
