@@ -16,6 +16,7 @@ import jax
 from flax import linen as nn
 from flax import nnx
 
+from shardkit.boundaries import batch_in_flight, constrain_outputs, linen_boundaries, nnx_boundaries
 from shardkit.errors import ShardkitError
 from shardkit.partition import RegexRule, linen_axes, nnx_axes, path_str, regex_axes
 
@@ -87,6 +88,7 @@ def from_nnx(
     name: str | None = None,
     info: Mapping[str, Any] | None = None,
     stacked_layers: str | None = None,
+    boundaries: bool = True,
 ) -> Model:
     """Wrap a Flax NNX model.
 
@@ -95,7 +97,14 @@ def from_nnx(
     they are). The module's ``__call__(inputs, rngs=None)`` gets ``nnx.Rngs(dropout=key)`` when
     the step has a key, if it accepts ``rngs``.
 
-    Logical names come from :func:`shardkit.logical` metadata on the parameters.
+    Shardings come from the parameters' metadata: :func:`shardkit.logical` names, or Flax's own
+    ``nnx.with_partitioning`` names (mesh axes are used as such, other names resolve through
+    the rules; see :mod:`shardkit.partition`).
+
+    With ``boundaries`` (the default) every submodule call runs in a named scope of its path and
+    its batched outputs are constrained (:mod:`shardkit.boundaries`), so a model that constrains
+    none of its activations still gets the layout's collectives (ZeRO-3 under ``fsdp``). A
+    model that constrains its own activations everywhere may turn it off.
 
     Pipeline parallelism needs to know where the layers are: pass ``stacked_layers``, the
     attribute holding the layers stacked along a leading ``layers`` axis (``nnx.vmap``), and give
@@ -124,11 +133,17 @@ def from_nnx(
             module = make(nnx.Rngs(key))
         return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
-    def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
-        module = nnx.merge(graphdef, params)
+    def call(module: nnx.Module, inputs: Any, key: jax.Array | None) -> Any:
         if takes_rngs:
             return module(inputs, rngs=None if key is None else nnx.Rngs(dropout=key))
         return module(inputs)
+
+    def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
+        module = nnx.merge(graphdef, params)
+        if not boundaries:
+            return call(module, inputs, key)
+        with batch_in_flight(inputs), nnx_boundaries(module):
+            return constrain_outputs(call(module, inputs, key), (inputs,))
 
     axes = _plain_dict(nnx_axes(abstract_params))
     stages = None if stacked_layers is None else _nnx_stages(graphdef, abstract, stacked_layers, label)
@@ -170,13 +185,24 @@ def _plain_dict(tree: Any) -> Any:
     return tree
 
 
-def from_linen(module: nn.Module, *example_inputs: Any, name: str | None = None) -> Model:
-    """Wrap a Flax Linen module; logical names come from ``nn.with_logical_partitioning`` boxes.
+def from_linen(
+    module: nn.Module,
+    *example_inputs: Any,
+    name: str | None = None,
+    info: Mapping[str, Any] | None = None,
+    boundaries: bool = True,
+) -> Model:
+    """Wrap a Flax Linen module.
+
+    Shardings come from its boxes: ``nn.with_logical_partitioning`` names resolve through the
+    rules; ``nn.with_partitioning`` names mesh axes, used as such.
 
     Args:
       module: the Linen module.
       example_inputs: inputs for ``module.init`` (shapes only matter; e.g. ``jnp.zeros((2, 16))``).
       name: shown in tables.
+      info: facts reports use (see :class:`Model`); inferred from the parameters when absent.
+      boundaries: constrain every submodule's batched outputs (:mod:`shardkit.boundaries`).
 
     Example:
       >>> import flax.linen as nn, jax.numpy as jnp
@@ -191,10 +217,13 @@ def from_linen(module: nn.Module, *example_inputs: Any, name: str | None = None)
 
     def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
         rngs = None if key is None else {"dropout": key}
-        return module.apply({"params": params}, inputs, rngs=rngs)
+        if not boundaries:
+            return module.apply({"params": params}, inputs, rngs=rngs)
+        with batch_in_flight(inputs), linen_boundaries():
+            return constrain_outputs(module.apply({"params": params}, inputs, rngs=rngs), (inputs,))
 
     boxed = jax.eval_shape(boxed_init, jax.random.key(0))
-    return Model(init, apply, linen_axes(boxed), name or type(module).__name__)
+    return Model(init, apply, linen_axes(boxed), name or type(module).__name__, dict(info or {}))
 
 
 def annotate(model: Model, patterns: Sequence[RegexRule]) -> Model:

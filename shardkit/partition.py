@@ -273,7 +273,14 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     ctx = _CURRENT.get()
     if ctx is None:
         return x
-    spec = resolve(names, x.shape, ctx.rules, dict(ctx.mesh.shape), what="activation")
+    return constrain_to(x, resolve(names, x.shape, ctx.rules, dict(ctx.mesh.shape), what="activation"))
+
+
+def constrain_to(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """Constrain ``x`` to ``spec`` on the mesh in force (:func:`use_sharding`); unchanged outside it."""
+    ctx = _CURRENT.get()
+    if ctx is None:
+        return x
     sharding = NamedSharding(ctx.mesh, spec)
     abstract = jax.sharding.get_abstract_mesh()
     if abstract.manual_axes:

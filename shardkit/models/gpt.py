@@ -132,6 +132,7 @@ class GPTConfig:
             name=name or "GPT",
             info=info,
             stacked_layers="blocks" if self.scan_layers else None,
+            boundaries=False,  # GPT constrains its own activations and names its own scopes
         )
 
     def num_params(self) -> int:

@@ -1,0 +1,231 @@
+"""Models written the way people outside shardkit write them: no ``sk.constrain``, Flax's own
+sharding metadata, several positional arguments, grouped-query attention; NNX and Linen.
+
+Nothing here imports shardkit: these are the "your model, not ours" of the tests, notebook 06
+and ``benchmarks/any_model.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    vocab: int = 256
+    dim: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    mlp: int = 256
+    layers: int = 2
+
+
+def causal_attention(q, k, v):
+    """``q (B, T, N, H)``, ``k, v (B, T, K, H)`` with ``N`` a multiple of ``K`` -> ``(B, T, N, H)``."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    mask = jnp.tril(jnp.ones((q.shape[1], q.shape[1]), bool))
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, axis=-1), v)
+
+
+def rope(x, positions):
+    """Rotary position embedding, half-split convention; ``x (B, T, N, H)``, ``positions (B, T)``."""
+    half = x.shape[-1] // 2
+    freq = 1.0 / (10_000 ** (jnp.arange(half) / half))
+    angle = positions[..., None, None] * freq  # (B, T, 1, H/2)
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    a, b = x[..., :half], x[..., half:]
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# NNX, Gemma-style: einsum kernels with logical names through nnx.with_partitioning.
+
+
+class GemmaAttention(nnx.Module):
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.q = nnx.Einsum(
+            "BTD,DNH->BTNH",
+            (cfg.dim, cfg.heads, cfg.head_dim),
+            kernel_init=nnx.with_partitioning(init, ("embed", "heads", "kv")),
+            rngs=rngs,
+        )
+        self.kv = nnx.Einsum(
+            "BTD,CDKH->CBTKH",
+            (2, cfg.dim, cfg.kv_heads, cfg.head_dim),
+            kernel_init=nnx.with_partitioning(init, (None, "embed", "kv_heads", "kv")),
+            rngs=rngs,
+        )
+        self.out = nnx.Einsum(
+            "BTNH,NHD->BTD",
+            (cfg.heads, cfg.head_dim, cfg.dim),
+            kernel_init=nnx.with_partitioning(init, ("heads", "kv", "embed")),
+            rngs=rngs,
+        )
+
+    def __call__(self, x, positions):
+        q = rope(self.q(x), positions)
+        k, v = self.kv(x)
+        return self.out(causal_attention(q, rope(k, positions), v))
+
+
+class GemmaMLP(nnx.Module):
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.gate = nnx.Linear(
+            cfg.dim, cfg.mlp, use_bias=False, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs
+        )
+        self.up = nnx.Linear(
+            cfg.dim, cfg.mlp, use_bias=False, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs
+        )
+        self.down = nnx.Linear(
+            cfg.mlp, cfg.dim, use_bias=False, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), rngs=rngs
+        )
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.gate(x)) * self.up(x))
+
+
+class GemmaBlock(nnx.Module):
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
+        norm = nnx.with_partitioning(nnx.initializers.ones_init(), ("embed",))
+        self.pre_attn = nnx.RMSNorm(cfg.dim, scale_init=norm, rngs=rngs)
+        self.attn = GemmaAttention(cfg, rngs=rngs)
+        self.pre_mlp = nnx.RMSNorm(cfg.dim, scale_init=norm, rngs=rngs)
+        self.mlp = GemmaMLP(cfg, rngs=rngs)
+
+    def __call__(self, x, positions):
+        x = x + self.attn(self.pre_attn(x), positions)
+        return x + self.mlp(self.pre_mlp(x))
+
+
+class GemmaLM(nnx.Module):
+    """A decoder LM in the shape of Flax's Gemma example: tokens ``(B, T)`` -> logits ``(B, T, V)``."""
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(
+            cfg.vocab,
+            cfg.dim,
+            embedding_init=nnx.with_partitioning(nnx.initializers.normal(1.0), ("vocab", "embed")),
+            rngs=rngs,
+        )
+        self.layers = nnx.List([GemmaBlock(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        self.final_norm = nnx.RMSNorm(
+            cfg.dim, scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("embed",)), rngs=rngs
+        )
+
+    def __call__(self, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens) * jnp.sqrt(self.embed.features).astype(jnp.float32)
+        for layer in self.layers:
+            x = layer(x, positions)
+        return self.embed.attend(self.final_norm(x))  # tied embedding
+
+
+# ---------------------------------------------------------------------------------------------
+# NNX written for mesh axes: Flax's metadata names mesh axes directly (no logical names).
+
+
+class MeshAxesMLP(nnx.Module):
+    """A two-layer MLP whose kernels name *mesh* axes, as ``nnx.with_partitioning`` users write."""
+
+    def __init__(self, din: int, hidden: int, dout: int, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Linear(
+            din,
+            hidden,
+            kernel_init=nnx.with_partitioning(init, ("fsdp", "tensor")),
+            bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("tensor",)),
+            rngs=rngs,
+        )
+        self.down = nnx.Linear(hidden, dout, kernel_init=nnx.with_partitioning(init, ("tensor", "fsdp")), rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Linen, in the style of Flax's lm1b example: nn.with_logical_partitioning, nn.Dense, GQA.
+
+
+class LinenAttention(nn.Module):
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, x, positions):
+        cfg = self.cfg
+        init = nn.initializers.lecun_normal()
+        q = nn.DenseGeneral(
+            (cfg.heads, cfg.head_dim),
+            use_bias=False,
+            name="query",
+            kernel_init=nn.with_logical_partitioning(init, ("embed", "heads", "kv")),
+        )(x)
+        k = nn.DenseGeneral(
+            (cfg.kv_heads, cfg.head_dim),
+            use_bias=False,
+            name="key",
+            kernel_init=nn.with_logical_partitioning(init, ("embed", "kv_heads", "kv")),
+        )(x)
+        v = nn.DenseGeneral(
+            (cfg.kv_heads, cfg.head_dim),
+            use_bias=False,
+            name="value",
+            kernel_init=nn.with_logical_partitioning(init, ("embed", "kv_heads", "kv")),
+        )(x)
+        out = causal_attention(rope(q, positions), rope(k, positions), v)
+        return nn.DenseGeneral(
+            cfg.dim,
+            axis=(-2, -1),
+            use_bias=False,
+            name="out",
+            kernel_init=nn.with_logical_partitioning(init, ("heads", "kv", "embed")),
+        )(out)
+
+
+class LinenBlock(nn.Module):
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, x, positions):
+        scale = nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",))
+        x = x + LinenAttention(self.cfg, name="attention")(nn.RMSNorm(scale_init=scale)(x), positions)
+        h = nn.RMSNorm(scale_init=scale)(x)
+        dense = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+        h = nn.silu(nn.Dense(self.cfg.mlp, use_bias=False, kernel_init=dense, name="wi")(h))
+        back = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "embed"))
+        return x + nn.Dense(self.cfg.dim, use_bias=False, kernel_init=back, name="wo")(h)
+
+
+class LinenLM(nn.Module):
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, tokens):
+        cfg = self.cfg
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        embed = nn.Embed(
+            cfg.vocab,
+            cfg.dim,
+            name="embed",
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
+        )
+        x = embed(tokens)
+        for i in range(cfg.layers):
+            x = LinenBlock(cfg, name=f"block_{i}")(x, positions)
+        x = nn.RMSNorm(scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)))(x)
+        return nn.Dense(
+            cfg.vocab,
+            use_bias=False,
+            name="lm_head",
+            kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "vocab")),
+        )(x)
