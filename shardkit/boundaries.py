@@ -62,7 +62,11 @@ def boundary_spec(shape: Sequence[int], layer_boundary: bool) -> PartitionSpec |
         return None
     mesh, rules = ctx
     if layer_boundary:
-        names = ("batch", "seq") + (None,) * (len(shape) - 2) if len(shape) >= 3 else ("batch",) + (None,) * (len(shape) - 1)
+        names = (
+            ("batch", "seq") + (None,) * (len(shape) - 2)
+            if len(shape) >= 3
+            else ("batch",) + (None,) * (len(shape) - 1)
+        )
         return resolve(names, shape, rules, dict(mesh.shape), what="activation", allow_replicate=True)
     batch = resolve(("batch",), shape[:1], rules, dict(mesh.shape), what="activation", allow_replicate=True)
     return PartitionSpec(batch[0], *([PartitionSpec.UNCONSTRAINED] * (len(shape) - 1)))
@@ -129,7 +133,7 @@ def nnx_boundaries(module: nnx.Module) -> Iterator[None]:
     """
     paths: dict[int, str] = {}
     for path, sub in nnx.iter_modules(module):
-        if path and callable(getattr(type(sub), "__call__", None)) and type(sub).__call__ is not object.__call__:
+        if path and type(sub).__call__ is not object.__call__:
             sub.__class__ = _bounded_class(type(sub))
             paths[id(sub)] = "/".join(str(p) for p in path)
     token = _PATHS.set(paths)

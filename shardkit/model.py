@@ -7,8 +7,12 @@ parameter. :func:`from_nnx`, :func:`from_linen` and :func:`annotate` (regex rule
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
+import math
+import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,7 +22,7 @@ from flax import nnx
 
 from shardkit.boundaries import batch_in_flight, constrain_outputs, linen_boundaries, nnx_boundaries
 from shardkit.errors import ShardkitError
-from shardkit.partition import RegexRule, linen_axes, nnx_axes, path_str, regex_axes
+from shardkit.partition import Axes, RegexRule, linen_axes, nnx_axes, path_str, regex_axes
 
 Params = Any
 
@@ -35,6 +39,8 @@ class Model:
       info: facts reports use when known: ``layers``, ``dim`` (hidden size) and
         ``matmul_params`` (parameters used in matmuls, for model FLOPs).
       stages: how the model splits into pipeline stages (None: it cannot be pipelined).
+      notes: warnings about the model's annotations (e.g. regex rules that matched nothing),
+        listed by reports.
     """
 
     init: Callable[[jax.Array], Params]
@@ -43,10 +49,49 @@ class Model:
     name: str = "model"
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     stages: Stages | None = None
+    notes: tuple[str, ...] = ()
 
     def abstract_params(self, seed: int = 0) -> Params:
         """Shapes and dtypes of the parameters (``ShapeDtypeStruct`` tree); allocates nothing."""
         return jax.eval_shape(self.init, jax.random.key(seed))
+
+
+def model_facts(model: Model) -> dict[str, Any]:
+    """``model.info``, with ``layers``, ``dim`` and ``matmul_params`` inferred from the
+    parameters' names and shapes where the model did not give them.
+
+    - ``dim``: the most common size of dimensions named ``embed``;
+    - ``layers``: the size of a ``layers`` dimension, else the number of numbered submodules
+      on the parameter paths (``layers/3/...``, ``block_3/...``);
+    - ``matmul_params``: parameters of two or more dimensions, less an input embedding table
+      (named ``vocab`` x ``embed``) when another ``vocab`` parameter is the output head.
+
+    Example:
+      >>> import shardkit as sk
+      >>> facts = model_facts(sk.models.GPTConfig.preset("tiny").model())
+      >>> facts["layers"], facts["dim"]
+      (2, 64)
+    """
+    info = dict(model.info)
+    if {"layers", "dim", "matmul_params"} <= info.keys():
+        return info
+    shapes = jax.tree_util.tree_flatten_with_path(model.abstract_params())[0]
+    axes = jax.tree.leaves(model.axes, is_leaf=lambda x: isinstance(x, Axes))
+    rows = [(path_str(p), tuple(leaf.shape), ax.names or ()) for (p, leaf), ax in zip(shapes, axes, strict=True)]
+    embed = collections.Counter(n for _, shape, names in rows for n, name in zip(shape, names) if name == "embed")
+    info.setdefault("dim", embed.most_common(1)[0][0] if embed else 0)
+    stacked = [n for _, shape, names in rows for n, name in zip(shape, names) if name == "layers"]
+    numbered: dict[str, set[str]] = collections.defaultdict(set)
+    for path, _, _ in rows:
+        for prefix, index in re.findall(r"(?:^|/)([A-Za-z_]*?)_?(\d+)(?=/)", path):
+            numbered[prefix].add(index)
+    info.setdefault("layers", stacked[0] if stacked else max((len(v) for v in numbered.values()), default=0))
+    matrices = [(shape, names) for _, shape, names in rows if len(shape) >= 2]
+    vocab = [math.prod(shape) for shape, names in matrices if "vocab" in names]
+    table = [math.prod(shape) for shape, names in matrices if tuple(names) == ("vocab", "embed")]
+    untied_table = table[0] if table and len(vocab) > 1 else 0
+    info.setdefault("matmul_params", sum(math.prod(shape) for shape, _ in matrices) - untied_table)
+    return info
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -226,18 +271,33 @@ def from_linen(
     return Model(init, apply, linen_axes(boxed), name or type(module).__name__, dict(info or {}))
 
 
-def annotate(model: Model, patterns: Sequence[RegexRule]) -> Model:
+def annotate(model: Model, patterns: Sequence[RegexRule], *, override: bool = True, strict: bool = False) -> Model:
     """Give a model's parameters logical names (or specs) from regex rules on their paths.
 
-    For models that carry no annotations: the rules replace whatever names the model had.
+    The model's own annotations stay where no rule matches; a parameter with neither its own
+    names nor a matching rule is an error (nothing is left unsharded by accident).
+
+    Args:
+      model: the model to annotate.
+      patterns: ``[(regex, names | PartitionSpec | None), ...]``, first match wins
+        (see :func:`shardkit.partition.regex_axes`).
+      override: rules replace the names of the parameters they match (default); with False
+        they only fill parameters the model left unannotated.
+      strict: a rule that matches no parameter is an error; by default it is a warning, kept
+        in ``model.notes`` and listed by the report (one rule list can serve two variants).
 
     Example:
       >>> import flax.linen as nn, jax.numpy as jnp
       >>> m = annotate(from_linen(nn.Dense(8), jnp.zeros((1, 4))),
       ...              [(r"kernel$", ("embed", "mlp")), (r"bias$", ("mlp",))])
+      >>> str(m.axes["kernel"])
+      '(embed, mlp)'
     """
-    axes = regex_axes(model.abstract_params(), patterns)
-    return dataclasses.replace(model, axes=axes)
+    axes, unused = regex_axes(model.abstract_params(), patterns, model.axes, override=override, strict=strict)
+    notes = [f"regex rule {p!r} matched no parameter of {model.name}" for p in unused]
+    for note in notes:
+        warnings.warn(note + " (pass strict=True to make this an error)", stacklevel=2)
+    return dataclasses.replace(model, axes=axes, notes=(*model.notes, *notes))
 
 
 def from_functions(

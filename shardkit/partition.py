@@ -2,10 +2,16 @@
 
 Three sources of logical axis names give one result:
 
-- Flax NNX variable metadata, written with :func:`logical` (the only place shardkit touches
-  flax's metadata key, which flax renamed twice);
-- Flax Linen ``nn.Partitioned`` boxes (``nn.with_logical_partitioning``);
+- Flax NNX variable metadata: shardkit's own logical names, written with :func:`logical` under
+  a key of shardkit's, and Flax's ``out_sharding`` (``nnx.with_partitioning``);
+- Flax Linen boxes: ``nn.LogicallyPartitioned`` (``nn.with_logical_partitioning``) and
+  ``nn.Partitioned`` (``nn.with_partitioning``);
 - regex rules on parameter paths, for models that carry no annotations at all.
+
+Flax's own names (``out_sharding``, ``nn.Partitioned``) mean mesh axes in Flax: a name that is an
+axis of the mesh pins that axis; any other name is a logical name and resolves through the rules
+(so a model annotated for Flax's ``logical_axis_rules`` works with those rules passed to the
+trainer). shardkit's names are always logical, and strict: a name without a rule is an error.
 
 Each becomes a tree of :class:`Axes` with the parameters' structure, and :func:`specs_for`
 resolves it with the one resolver in :mod:`shardkit.rules`.
@@ -28,8 +34,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardkit.errors import ShardkitError
 from shardkit.rules import Fallback, Rules, check_spec, resolve
 
-# flax 0.12.4+ calls it 'out_sharding' (earlier: 'sharding_names', 'sharding').
+# flax 0.12.4+ calls its key 'out_sharding' (earlier: 'sharding_names', 'sharding'); it holds
+# mesh axes. shardkit's logical names go under the same key, because flax's transforms
+# (nnx.vmap/scan with transform_metadata) insert the stacked axis there, but with a marker of
+# shardkit's own, so they are never confused with Flax's mesh axes.
 _FLAX_NAMES_KEY = "out_sharding"
+_SHARDKIT_MARKER = "shardkit_logical"
+
+FlaxName = str | tuple[str, ...] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,15 +49,20 @@ class Axes:
     """Logical names of one array's dimensions (a pytree leaf). ``names=None``: replicated.
 
     ``spec`` instead of names pins an explicit ``PartitionSpec`` (from a regex rule).
+    ``flax=True``: the names come from Flax's own metadata, where a name that is a mesh axis
+    means that axis (an entry may be a tuple of mesh axes).
     """
 
-    names: tuple[str | None, ...] | None = None
+    names: tuple[FlaxName, ...] | None = None
     spec: PartitionSpec | None = None
+    flax: bool = False
 
     def __str__(self) -> str:
         if self.spec is not None:
             return str(self.spec)
-        return "(" + ", ".join(str(n) for n in self.names) + ")" if self.names is not None else "()"
+        if self.names is None:
+            return "()"
+        return "(" + ", ".join("+".join(n) if isinstance(n, tuple) else str(n) for n in self.names) + ")"
 
 
 def _is_axes(x: Any) -> bool:
@@ -67,28 +84,37 @@ def logical(init: Callable[..., jax.Array], names: Sequence[str | None]) -> Call
       >>> layer = nnx.Linear(8, 32, rngs=nnx.Rngs(0),
       ...     kernel_init=logical(nnx.initializers.lecun_normal(), ("embed", "mlp")))
     """
-    # eager_sharding=False: flax would otherwise read logical names as mesh axes at creation.
-    return nnx.with_metadata(init, **{_FLAX_NAMES_KEY: tuple(names), "eager_sharding": False})
+    # eager_sharding=False: flax would otherwise read the logical names as mesh axes at creation.
+    return nnx.with_metadata(init, **{_FLAX_NAMES_KEY: tuple(names), _SHARDKIT_MARKER: True, "eager_sharding": False})
 
 
 def nnx_axes(state: Any) -> Any:
-    """Logical names of every variable in an NNX ``State`` (from :func:`logical` metadata)."""
+    """Names of every variable in an NNX ``State``: shardkit's (:func:`logical`) or Flax's."""
 
     def names_of(v: Any) -> Axes:
         if isinstance(v, nnx.Variable):
-            names = v.get_metadata().get(_FLAX_NAMES_KEY)
-            return Axes(tuple(names)) if names else Axes()
+            meta = v.get_metadata()
+            if meta.get(_FLAX_NAMES_KEY):
+                return Axes(_flax_names(meta[_FLAX_NAMES_KEY]), flax=not meta.get(_SHARDKIT_MARKER, False))
         return Axes()
 
     return jax.tree.map(names_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def _flax_names(names: Any) -> tuple[FlaxName, ...]:
+    """Flax's per-dimension entries (a tuple or a ``PartitionSpec``) as a tuple of names."""
+    return tuple(tuple(n) if isinstance(n, list | tuple) else n for n in names)
+
+
 def linen_axes(boxed: Any) -> Any:
-    """Logical names from Linen ``nn.Partitioned`` boxes; unboxed leaves are replicated."""
+    """Names from Linen boxes: logical (``nn.LogicallyPartitioned``) or Flax's mesh axes
+    (``nn.Partitioned``); unboxed leaves are replicated."""
 
     def names_of(x: Any) -> Axes:
-        if isinstance(x, nn.Partitioned):
+        if isinstance(x, nn.LogicallyPartitioned):
             return Axes(tuple(x.names))
+        if isinstance(x, nn.Partitioned):
+            return Axes(_flax_names(x.names), flax=True)
         return Axes()
 
     return jax.tree.map(names_of, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
@@ -105,7 +131,14 @@ end the list with a catch-all that replicates the rest:
 """
 
 
-def regex_axes(params: Any, patterns: Sequence[RegexRule]) -> Any:
+def regex_axes(
+    params: Any,
+    patterns: Sequence[RegexRule],
+    own: Any = None,
+    *,
+    override: bool = True,
+    strict: bool = False,
+) -> tuple[Any, list[str]]:
     """Logical names for parameters from regex rules on their ``/``-joined paths.
 
     The first rule whose regex ``re.search``-es the path wins. A rule maps to logical names
@@ -114,17 +147,23 @@ def regex_axes(params: Any, patterns: Sequence[RegexRule]) -> Any:
     Args:
       params: the parameter pytree (arrays or ShapeDtypeStructs).
       patterns: ``[(regex, names_or_spec_or_None), ...]``.
+      own: the model's own :class:`Axes` tree, kept where no rule applies (None: it has none).
+        When it annotates no parameter at all, every parameter needs a rule.
+      override: a matching rule replaces the model's own names; with False rules only fill
+        parameters the model left unannotated.
+      strict: a rule that matches no parameter is an error (else it is returned, for a warning).
 
     Returns:
-      A tree of :class:`Axes` with the structure of ``params``.
+      ``(axes, unused)``: a tree of :class:`Axes` with the structure of ``params``, and the
+      patterns that matched no parameter.
 
     Raises:
-      ShardkitError: for a path that no rule matches, a bad regex, or a rule that matches
-        nothing (a catch-all such as ``r".*"`` may match nothing).
+      ShardkitError: for a parameter with neither its own names nor a matching rule, a bad
+        regex, or (``strict``) a rule that matches nothing.
 
     Example:
       >>> import jax.numpy as jnp
-      >>> t = regex_axes({"dense": {"kernel": jnp.zeros((4, 8))}}, [(r"kernel$", ("embed", "mlp"))])
+      >>> t, unused = regex_axes({"dense": {"kernel": jnp.zeros((4, 8))}}, [(r"kernel$", ("embed", "mlp"))])
       >>> t["dense"]["kernel"].names
       ('embed', 'mlp')
     """
@@ -135,9 +174,18 @@ def regex_axes(params: Any, patterns: Sequence[RegexRule]) -> Any:
         except re.error as e:
             raise ShardkitError(f"Regex rule {pattern!r} does not compile ({e}); fix the pattern.") from e
     used: set[str] = set()
+    flat_own = jax.tree_util.tree_flatten_with_path(own, is_leaf=_is_axes)[0] if own is not None else []
+    own_by_path = {path_str(p): a for p, a in flat_own}
+    # A model that annotates some parameters leaves the others replicated on purpose (as Flax
+    # reads it); one that annotates none relies on the rules for every parameter.
+    model_annotates = any(a.names is not None or a.spec is not None for a in own_by_path.values())
 
     def names_for(path: tuple[Any, ...], leaf: Any) -> Axes:
         key = path_str(path)
+        mine = own_by_path.get(key)
+        annotated = mine is not None and (mine.names is not None or mine.spec is not None)
+        if annotated and not override:
+            return mine
         for regex, pattern, target in compiled:
             if regex.search(key):
                 used.add(pattern)
@@ -146,19 +194,22 @@ def regex_axes(params: Any, patterns: Sequence[RegexRule]) -> Any:
                 if isinstance(target, PartitionSpec):
                     return Axes(spec=target)
                 return Axes(tuple(target))
+        if model_annotates:
+            return mine if mine is not None else Axes()
         listing = "\n".join(f"    ({p!r}, {t!r})" for _, p, t in compiled) or "    (none)"
         raise ShardkitError(NO_REGEX_MATCH.format(path=key, shape=tuple(leaf.shape), patterns=listing))
 
     out = jax.tree_util.tree_map_with_path(names_for, params)
-    # A rule that matched nothing is a typo, except a catch-all (one that matches any path).
+    # A rule that matched nothing is a typo or a rule for another variant of the model; a
+    # catch-all (one that matches any path) is neither.
     unused = [p for regex, p, _ in compiled if p not in used and not regex.fullmatch("")]
-    if unused:
+    if unused and strict:
         raise ShardkitError(
             f"Regex rule {unused[0]!r} matched no parameter. Parameter paths look like "
             f"{[path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0][:4]]}; "
-            "fix the pattern or remove the rule."
+            "fix the pattern, remove the rule, or pass strict=False to only warn."
         )
-    return out
+    return out, unused
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -204,11 +255,34 @@ def specs_for(
         if ax.spec is not None:
             check_spec(ax.spec, shape, mesh_shape, what)
             return ax.spec
+        names, extended = ax.names, rules
+        if ax.flax and names is not None:
+            names, extended = _mesh_names_as_rules(names, rules, mesh_shape)
         return resolve(
-            ax.names, shape, rules, mesh_shape, what=what, allow_replicate=allow_replicate, fallbacks=fallbacks
+            names, shape, extended, mesh_shape, what=what, allow_replicate=allow_replicate, fallbacks=fallbacks
         )
 
     return jax.tree_util.tree_map_with_path(one, axes, shapes, is_leaf=_is_axes)
+
+
+def _mesh_names_as_rules(
+    names: tuple[FlaxName, ...], rules: Rules, mesh_shape: dict[str, int]
+) -> tuple[tuple[str | None, ...], Rules]:
+    """Flax's names as logical ones: a mesh axis (or a tuple of them) that the rules do not name
+    becomes a rule to itself, after the rules (so rule names keep their priority)."""
+    out: list[str | None] = []
+    extra = Rules()
+    for n in names:
+        axes = n if isinstance(n, tuple) else (n,) if n is not None else ()
+        if n is None or (isinstance(n, str) and n in rules):
+            out.append(n)
+        elif all(a in mesh_shape for a in axes):
+            label = "+".join(axes)
+            extra = extra + Rules(((label, tuple(axes)),))
+            out.append(label)
+        else:
+            out.append(n if isinstance(n, str) else "+".join(n))  # unknown: resolve() names the fix
+    return tuple(out), rules + extra
 
 
 def named(specs: Any, mesh: Mesh) -> Any:

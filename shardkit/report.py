@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from shardkit import hlo
+from shardkit.model import model_facts
 from shardkit.rules import entry_axes
 
 if TYPE_CHECKING:
@@ -408,7 +409,7 @@ def build_report(trainer: Trainer, batch: dict[str, Any], compile_seconds: float
     param_count = sum(x.size for x in params)
     param_bytes = sum(x.size * np.dtype(x.dtype).itemsize for x in params)
     state_bytes = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract) if x.ndim)
-    info = trainer.model.info
+    info = model_facts(trainer.model)
     layout_shape = dict(trainer.mesh.shape)
     shape = next(iter(batch.values())).shape
     rows = shape[0]
@@ -419,7 +420,7 @@ def build_report(trainer: Trainer, batch: dict[str, Any], compile_seconds: float
     activation = per_group_rows * seq * info.get("dim", 0) * np.dtype(trainer.precision.compute).itemsize
     bound = lower_bound(layout_shape, param_bytes, state_bytes, layers=layers, activation_bytes=activation)
     model_flops = None
-    if "matmul_params" in info:  # PaLM's count: 6N per token for the matmuls + 12*L*h*s for attention
+    if info.get("matmul_params"):  # PaLM's count: 6N per token for the matmuls + 12*L*h*s for attention
         model_flops = float(rows * seq * (6 * info["matmul_params"] + 12 * layers * info["dim"] * seq))
     return Report(
         backend=trainer.mesh.devices.flat[0].platform,
@@ -442,9 +443,10 @@ def sharding_warnings(trainer: Trainer, top: int = 3, min_fraction: float = 0.01
 
     - the largest parameters left fully replicated on a mesh of several devices (each at least
       ``min_fraction`` of all parameter bytes);
-    - rules whose mesh axes are larger than 1 here but that shard no parameter.
+    - rules whose mesh axes are larger than 1 here but that shard no parameter;
+    - the model's own notes (e.g. regex rules of :func:`shardkit.annotate` that matched nothing).
     """
-    warnings = []
+    warnings = list(trainer.model.notes)
     rows = trainer.sharding_table()
     total = sum(r["bytes_per_device"] * math.prod(r["shape"]) / max(math.prod(r["shard"]), 1) for r in rows)
     if trainer.mesh.devices.size > 1:

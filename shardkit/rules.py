@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, short_repr
 from shardkit.mesh import MESH_AXES, Layout
 
 # Logical axis names shardkit's models use, in default priority order.
@@ -109,6 +109,36 @@ class Rules:
 
     def __str__(self) -> str:
         return ", ".join(f"{n}->{'+'.join(a) if a else '-'}" for n, a in self.rules)
+
+
+RulesLike = Rules | Iterable[tuple[str, str | Sequence[str] | None]]
+
+NOT_RULES = """\
+rules must be a shardkit Rules or Flax-style logical axis rules (a list of
+(logical name, mesh axis or axes or None) pairs), got {got}.
+Fix: sk.Rules.of(batch=("data", "fsdp"), mlp="tensor"), or
+[("batch", ("data", "fsdp")), ("mlp", "tensor"), ("embed", None)].
+"""
+
+
+def as_rules(rules: RulesLike) -> Rules:
+    """A ``Rules`` from itself or from Flax's ``logical_axis_rules`` format.
+
+    Flax (T5X, MaxText) writes rules as ``[(logical, mesh_axes), ...]`` in priority order; a
+    name given twice gets both entries' mesh axes.
+
+    Example:
+      >>> as_rules([("batch", "data"), ("batch", "fsdp"), ("mlp", "tensor"), ("embed", None)])["batch"]
+      ('data', 'fsdp')
+    """
+    if isinstance(rules, Rules):
+        return rules
+    if isinstance(rules, str | bytes | Mapping) or not isinstance(rules, Iterable):
+        raise ShardkitError(NOT_RULES.format(got=short_repr(rules)))
+    pairs = list(rules)
+    if not all(isinstance(p, list | tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+        raise ShardkitError(NOT_RULES.format(got=short_repr(pairs)))
+    return Rules.from_pairs(pairs)
 
 
 def _as_axes(name: str, axes: str | Sequence[str] | None) -> tuple[str, ...]:

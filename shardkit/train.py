@@ -27,7 +27,15 @@ from shardkit.parallel.schedule import Schedule, make_schedule
 from shardkit.partition import Axes, named, path_str, specs_for, use_sharding
 from shardkit.precision import Precision, as_precision
 from shardkit.report import Report, build_report
-from shardkit.rules import Fallback, Rules, default_rules, entry_axes, resolve, tensor_sequence_parallel
+from shardkit.rules import (
+    Fallback,
+    RulesLike,
+    as_rules,
+    default_rules,
+    entry_axes,
+    resolve,
+    tensor_sequence_parallel,
+)
 
 Batch = Mapping[str, jax.Array]
 _KEY = "__dropout_key__"  # microbatch entry carrying each microbatch's key into the pipeline
@@ -125,7 +133,8 @@ class Trainer:
       model: a :class:`shardkit.Model` (``sk.from_nnx``, ``sk.from_linen``, ``sk.annotate``).
       optimizer: any optax ``GradientTransformation``.
       layout: mesh axis sizes, e.g. ``"data=2,fsdp=2,tensor=2"`` (``-1`` fills the rest).
-      rules: logical-to-mesh rules; default :func:`shardkit.default_rules`.
+      rules: logical-to-mesh rules, as ``Rules`` or Flax's ``logical_axis_rules`` pairs
+        (``[("batch", "data"), ("mlp", "tensor"), ...]``); default :func:`shardkit.default_rules`.
       loss: ``(forward, batch) -> (loss, count)``; default next-token cross-entropy.
       batch_axes: logical names per batch entry, e.g. ``{"tokens": ("batch", None)}``; by default
         the first dimension of every entry is ``batch`` and the rest unsharded.
@@ -168,7 +177,7 @@ class Trainer:
         optimizer: optax.GradientTransformation,
         layout: Layout | str | Mapping[str, int] = "data=-1",
         *,
-        rules: Rules | None = None,
+        rules: RulesLike | None = None,
         loss: LossFn = next_token_loss,
         batch_axes: Mapping[str, Sequence[str | None]] | None = None,
         allow_replicate: bool = False,
@@ -200,7 +209,7 @@ class Trainer:
         self.loss = loss
         self.layout = as_layout(layout).resolve(len(devices))
         self.mesh: Mesh = self.layout.make_mesh(devices)
-        self.rules = default_rules(self.layout) if rules is None else rules
+        self.rules = default_rules(self.layout) if rules is None else as_rules(rules)
         if sequence_parallel:
             self.rules = self.rules + tensor_sequence_parallel()
         self.batch_axes = dict(batch_axes or {})

@@ -128,7 +128,10 @@ def test_regex_rules_bad_cases():
     with pytest.raises(sk.ShardkitError, match=r"(?s)matches none of the regex rules.*\(r\"\.\*\", None\)"):
         sk.annotate(model, [(r"kernel$", ("embed", "mlp"))])
     with pytest.raises(sk.ShardkitError, match="matched no parameter"):
-        sk.annotate(model, [(r"kernal$", ("embed", "mlp")), (r".*", None)])
+        sk.annotate(model, [(r"kernal$", ("embed", "mlp")), (r".*", None)], strict=True)
+    with pytest.warns(UserWarning, match="'kernal\\$' matched no parameter"):
+        lenient = sk.annotate(model, [(r"kernal$", ("embed", "mlp")), (r".*", None)])
+    assert lenient.notes == ("regex rule 'kernal$' matched no parameter of Dense",)
     with pytest.raises(sk.ShardkitError, match="does not compile"):
         sk.annotate(model, [(r"kernel(", ("embed", "mlp"))])
 
