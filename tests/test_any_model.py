@@ -1,0 +1,244 @@
+"""Every layout keeps its promise on models shardkit did not write (tests/byo_models.py):
+losses equal one device's, the compiled step gathers weights and reduce-scatters gradients
+under FSDP without reducing activations over fsdp, bytes at the layout's bound, temporary
+memory near data parallelism's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from byo_models import GemmaLM, LinenLM, LMConfig, MeshAxesMLP
+from flax import linen as nn
+from flax import nnx
+from helpers import assert_adam_params_close, reference_training, run_trainer
+
+import shardkit as sk
+
+CFG = LMConfig(dim=64, mlp=256, layers=2)
+B, T = 16, 32
+BATCH = {"tokens": jax.ShapeDtypeStruct((B, T + 1), jnp.int32)}
+DATA = sk.TextDataset.builtin()
+BATCHES = [DATA.batch(step, batch_size=B, seq_len=T) for step in range(4)]
+LAYOUTS = ["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2"]
+
+
+def nnx_model(boundaries=True):
+    return sk.from_nnx(lambda rngs: GemmaLM(CFG, rngs=rngs), boundaries=boundaries)
+
+
+def linen_model(boundaries=True):
+    return sk.from_linen(LinenLM(CFG), jnp.zeros((2, T), jnp.int32), boundaries=boundaries)
+
+
+MODELS = {"nnx-gemma": nnx_model, "linen-lm": linen_model}
+
+
+def without_eager_sharding(fn):
+    """Flax shards annotated variables at creation when a mesh is in context; one device has none."""
+
+    def run(*args):
+        with nnx.use_eager_sharding(False):
+            return fn(*args)
+
+    return run
+
+
+def single_device_reference(kind):
+    """Plain flax + optax on one device; the init follows TrainState's seed semantics."""
+    if kind == "nnx-gemma":
+        with nnx.use_eager_sharding(False):
+            graphdef = nnx.graphdef(nnx.eval_shape(lambda: GemmaLM(CFG, rngs=nnx.Rngs(0))))
+        init = lambda key: nnx.to_pure_dict(nnx.state(GemmaLM(CFG, rngs=nnx.Rngs(key)), nnx.Param))
+        init = without_eager_sharding(init)
+        forward = lambda p, tokens: nnx.merge(graphdef, p)(tokens)
+    else:
+        module = LinenLM(CFG)
+        init = lambda key: nn.meta.unbox(
+            module.init({"params": key, "dropout": key}, jnp.zeros((2, T), jnp.int32))["params"]
+        )
+        forward = lambda p, tokens: module.apply({"params": p}, tokens)
+
+    def loss_fn(params, batch):
+        logits = forward(params, batch["tokens"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
+    return reference_training(init, lambda p, b: p, loss_fn, optax.adamw(3e-3), BATCHES)
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def reference(request):
+    return request.param, single_device_reference(request.param)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_losses_and_parameters_equal_one_device(reference, layout):
+    kind, (ref_losses, ref_params) = reference
+    trainer = sk.Trainer(MODELS[kind](), optax.adamw(3e-3), layout)
+    losses, params = run_trainer(trainer, BATCHES)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    assert_adam_params_close(params, ref_params, lr=3e-3, steps=len(BATCHES))
+
+
+def activation_bytes(layout_shape):
+    return B // (layout_shape.get("data", 1) * layout_shape.get("fsdp", 1)) * T * CFG.dim * 4
+
+
+@pytest.fixture(scope="module")
+def reports():
+    out = {}
+    for kind, make in MODELS.items():
+        for layout in LAYOUTS:
+            trainer = sk.Trainer(make(), optax.adamw(3e-3), layout)
+            out[kind, layout] = (trainer, trainer.report(BATCH))
+    return out
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("layout", ["fsdp=8", "data=2,fsdp=2,tensor=2"])
+def test_fsdp_gathers_weights_and_reduce_scatters_gradients(reports, kind, layout):
+    trainer, report = reports[kind, layout]
+    tensor = dict(trainer.mesh.shape)["tensor"]
+    kinds = {(c.kind, c.axes) for c in report.collectives}
+    assert ("all-gather", ("fsdp",)) in kinds and ("reduce-scatter", ("fsdp",)) in kinds
+    # Every gradient but the embedding table's is reduce-scattered over fsdp (CPU: all-reduce +
+    # slice). XLA moves the table's gradient rows to their owners with an all-to-all instead.
+    table = CFG.vocab * CFG.dim * 4
+    params = sum(x.size * 4 for x in jax.tree.leaves(trainer.abstract_params))
+    scattered = sum(c.payload_bytes * c.count for c in report.collectives if c.kind == "reduce-scatter")
+    assert scattered >= 0.95 * (params - table) / tensor
+    # No activation is all-reduced over fsdp in the forward pass (only scalars such as the loss);
+    # in the backward pass, only the embedding table's gradient may be.
+    act = activation_bytes(dict(trainer.mesh.shape))
+    over_fsdp = [c for c in report.collectives if c.kind == "all-reduce" and "fsdp" in c.axes]
+    assert all(c.payload_bytes < act / 8 for c in over_fsdp if c.direction == "forward"), over_fsdp
+    assert sum(c.payload_bytes * c.count for c in over_fsdp if c.direction == "backward") <= 1.05 * table / tensor
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_fsdp_bytes_at_the_bound_and_memory_near_data_parallel(reports, kind):
+    trainer, fsdp = reports[kind, "fsdp=8"]
+    _, data = reports[kind, "data=8"]
+    assert fsdp.ratios["bytes"] <= 1.05
+    # Temporary memory: at most data parallelism's plus about one layer's gathered weights
+    # (the largest layer plus the embedding table, gathered while in use).
+    params = trainer.abstract_params
+    layer = "layers" if kind == "nnx-gemma" else "block_0"
+    one_layer = sum(x.size * 4 for x in jax.tree.leaves(params[layer][0] if kind == "nnx-gemma" else params[layer]))
+    embed = CFG.vocab * CFG.dim * 4
+    assert fsdp.memory.temp <= data.memory.temp + 2 * (one_layer + embed), (fsdp.memory.temp, data.memory.temp)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_without_boundaries_fsdp_reduces_activations(kind):
+    """The failure the boundaries fix, kept visible: XLA splits activations like the weights."""
+    trainer = sk.Trainer(MODELS[kind](boundaries=False), optax.adamw(3e-3), "fsdp=8")
+    report = trainer.report(BATCH)
+    big = [c for c in report.collectives if c.kind == "all-reduce" and c.payload_bytes >= activation_bytes({"fsdp": 8})]
+    assert big and report.ratios["bytes"] > 2
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_tensor_parallel_reduces_activations_over_tensor_only(reports, kind):
+    trainer, report = reports[kind, "data=2,fsdp=2,tensor=2"]
+    act = activation_bytes(dict(trainer.mesh.shape))
+    tensor = [c for c in report.collectives if c.kind == "all-reduce" and c.axes == ("tensor",)]
+    assert sum(c.count for c in tensor if c.payload_bytes >= act and c.direction == "forward") >= 2 * CFG.layers
+    others = [
+        c for c in report.collectives if c.kind == "all-reduce" and c.axes != ("tensor",) and c.payload_bytes >= act
+    ]
+    # Any other large all-reduce is a gradient reduction over the batch axes, in the backward pass.
+    assert all(c.direction == "backward" and set(c.axes) <= {"data", "fsdp"} for c in others), others
+    # The lower bound has a tensor term, from the model's own parameter shapes.
+    assert report.lower_bound["bytes_tensor"] > 0
+
+
+def test_nnx_report_names_module_paths():
+    trainer = sk.Trainer(nnx_model(), optax.adamw(3e-3), "fsdp=8")
+    ops = {c.op for c in trainer.report(BATCH).collectives}
+    assert any(op.startswith("layers/0/mlp/down/") for op in ops), ops
+    assert any(op.startswith("layers/1/attn/q/") for op in ops), ops
+
+
+# -- Flax's own metadata ---------------------------------------------------------------------
+
+
+def test_mesh_axis_metadata_is_used_as_mesh_axes():
+    model = sk.from_nnx(lambda rngs: MeshAxesMLP(16, 64, 16, rngs=rngs))
+    trainer = sk.Trainer(model, optax.sgd(0.1), "data=2,fsdp=2,tensor=2", loss=sk.mse_loss)
+    specs = {r["path"]: r["spec"] for r in trainer.sharding_table()}
+    assert specs == {
+        "down/bias": "[-]",
+        "down/kernel": "[tensor, fsdp]",
+        "up/bias": "[tensor]",
+        "up/kernel": "[fsdp, tensor]",
+    }
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.normal(size=(8, 16)).astype(np.float32), "y": rng.normal(size=(8, 16)).astype(np.float32)}]
+    losses, _ = run_trainer(trainer, batches * 3)
+    with nnx.use_eager_sharding(False):
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: MeshAxesMLP(16, 64, 16, rngs=nnx.Rngs(0))))
+    want, _ = reference_training(
+        without_eager_sharding(
+            lambda key: nnx.to_pure_dict(nnx.state(MeshAxesMLP(16, 64, 16, rngs=nnx.Rngs(key)), nnx.Param))
+        ),
+        lambda p, b: nnx.merge(graphdef, p)(b["x"]),
+        lambda out, b: jnp.mean((out - b["y"]) ** 2),
+        optax.sgd(0.1),
+        batches * 3,
+    )
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+
+
+def test_linen_partitioned_boxes_name_mesh_axes_and_logical_boxes_names():
+    class Mixed(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(32, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("fsdp", "tensor")))(x)
+            return nn.Dense(
+                8, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "embed"))
+            )(x)
+
+    trainer = sk.Trainer(sk.from_linen(Mixed(), jnp.zeros((2, 8))), optax.sgd(0.1), "fsdp=2,tensor=4", loss=sk.mse_loss)
+    specs = {r["path"]: r["spec"] for r in trainer.sharding_table()}
+    assert specs["Dense_0/kernel"] == "[fsdp, tensor]" and specs["Dense_1/kernel"] == "[tensor, fsdp]"
+
+
+def test_flax_logical_axis_rules_pairs_are_rules():
+    # T5X/MaxText style: the model's own logical names, rules as (name, mesh axes) pairs.
+    class T5Style(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.initializers.lecun_normal()
+            x = nn.Dense(32, kernel_init=nn.with_logical_partitioning(init, ("d_model", "d_ff")))(x)
+            return nn.Dense(8, kernel_init=nn.with_logical_partitioning(init, ("d_ff", "d_model")))(x)
+
+    rules = [("batch", ("data", "fsdp")), ("d_model", "fsdp"), ("d_ff", "tensor")]
+    trainer = sk.Trainer(
+        sk.from_linen(T5Style(), jnp.zeros((2, 8))), optax.sgd(0.1), "fsdp=2,tensor=4", rules=rules, loss=sk.mse_loss
+    )
+    specs = {r["path"]: r["spec"] for r in trainer.sharding_table()}
+    assert specs["Dense_0/kernel"] == "[fsdp, tensor]" and specs["Dense_1/kernel"] == "[tensor, fsdp]"
+    with pytest.raises(sk.ShardkitError, match="logical axis rules"):
+        sk.Trainer(sk.from_linen(T5Style(), jnp.zeros((2, 8))), optax.sgd(0.1), "fsdp=8", rules={"d_ff": "tensor"})
+
+
+def test_shardkit_names_are_never_read_as_mesh_axes():
+    """sk.logical names stay logical (strict): a mesh-axis name there is an unknown logical name."""
+    layer = lambda rngs: nnx.Linear(
+        8, 8, kernel_init=sk.logical(nnx.initializers.lecun_normal(), ("fsdp", None)), rngs=rngs
+    )
+    with pytest.raises(sk.ShardkitError, match="logical axis 'fsdp'"):
+        sk.Trainer(sk.from_nnx(layer), optax.sgd(0.1), "fsdp=8", loss=sk.mse_loss)
+
+
+def test_annotate_overrides_only_what_it_matches():
+    model = nnx_model()
+    fixed = sk.annotate(model, [(r"mlp/down/kernel$", ("mlp", None))])
+    own = {r["path"]: r["logical"] for r in sk.Trainer(model, optax.sgd(0.1), "fsdp=8").sharding_table()}
+    now = {r["path"]: r["logical"] for r in sk.Trainer(fixed, optax.sgd(0.1), "fsdp=8").sharding_table()}
+    changed = {p for p in own if own[p] != now[p]}
+    assert changed == {f"layers/{i}/mlp/down/kernel" for i in range(CFG.layers)}
+    assert now["layers/0/mlp/down/kernel"] == "(mlp, None)"
+    kept = sk.annotate(model, [(r"mlp/down/kernel$", ("mlp", None))], override=False)
+    assert kept.axes == model.axes  # everything was annotated already: nothing to fill
