@@ -84,7 +84,9 @@ def _plan_arguments(p: argparse.ArgumentParser, default_layout: str) -> None:
     """Flags shared by `dryrun` and `inspect`: a model, a layout and the batch shape."""
     from shardkit.precision import POLICIES
 
-    p.add_argument("--model", default="llama2-7b", help="GPT preset")
+    p.add_argument(
+        "--model", default="llama2-7b", help="GPT preset, or your own model factory as package.module:function"
+    )
     p.add_argument("--layout", default=default_layout)
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's max_seq)")

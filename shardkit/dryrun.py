@@ -15,6 +15,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,6 +25,8 @@ from jax._src import xla_bridge
 
 from shardkit.errors import ShardkitError
 from shardkit.mesh import Layout
+from shardkit.model import Model
+from shardkit.model_source import ModelSource, build_model, factory_ref, is_factory_ref, load_factory
 from shardkit.models.gpt import GPTConfig
 from shardkit.report import Report
 from shardkit.train import Trainer
@@ -33,7 +36,7 @@ from shardkit.train import Trainer
 class DryRunConfig:
     """A training configuration to compile without running: the flags of ``shardkit dryrun``."""
 
-    model: str = "llama2-7b"
+    model: str = "llama2-7b"  # a GPT preset, or your own factory as 'package.module:function'
     layout: str = "fsdp=8"
     batch: int = 8
     seq: int | None = None  # default: the model's max_seq
@@ -82,8 +85,44 @@ class DryRunConfig:
         return args
 
 
-def trainer_for(cfg: DryRunConfig) -> tuple[Trainer, dict[str, jax.ShapeDtypeStruct]]:
-    """The trainer and the abstract batch of a configuration, on the current devices."""
+def _factory_trainer(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> tuple[Trainer, dict[str, Any]]:
+    """The trainer of a user's model factory: next-token loss on ``(batch, seq + 1)`` tokens."""
+    label = cfg.model
+    if cfg.seq is None:
+        raise ShardkitError(f"Model {label} is your own: give the sequence length (--seq N, or seq=N) for a dry run.")
+    changed = [
+        f
+        for f in ("remat", "scan_layers", "n_layers")
+        if getattr(cfg, f) != DryRunConfig.__dataclass_fields__[f].default
+    ]
+    if changed:
+        raise ShardkitError(
+            f"{', '.join(changed)} change shardkit's GPT presets only; model {label} is built by its factory. "
+            "Fix: drop them, and set remat or the depth in your factory."
+        )
+    model = build_model(factory or load_factory(label), label)
+    trainer = Trainer(
+        model,
+        optax.adamw(1e-4),
+        cfg.layout,
+        precision=cfg.precision,
+        microbatches=cfg.microbatches,
+        schedule=cfg.schedule,
+        virtual_stages=cfg.virtual_stages,
+    )
+    return trainer, {"tokens": jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)}
+
+
+def trainer_for(
+    cfg: DryRunConfig, factory: Callable[[], Model] | None = None
+) -> tuple[Trainer, dict[str, jax.ShapeDtypeStruct]]:
+    """The trainer and the abstract batch of a configuration, on the current devices.
+
+    ``cfg.model`` names a GPT preset or a factory (``package.module:function``); ``factory``,
+    when given, is that factory already in hand.
+    """
+    if factory is not None or is_factory_ref(cfg.model):
+        return _factory_trainer(cfg, factory)
     gpt = cfg.gpt_config()
     seq = cfg.seq or gpt.max_seq
     if seq > gpt.max_seq:
@@ -100,8 +139,8 @@ def trainer_for(cfg: DryRunConfig) -> tuple[Trainer, dict[str, jax.ShapeDtypeStr
     return trainer, {"tokens": jax.ShapeDtypeStruct((cfg.batch, seq + 1), jnp.int32)}
 
 
-def _in_process(cfg: DryRunConfig) -> dict[str, Any]:
-    trainer, batch = trainer_for(cfg)
+def _in_process(cfg: DryRunConfig, factory: Callable[[], Model] | None = None) -> dict[str, Any]:
+    trainer, batch = trainer_for(cfg, factory)
     report: Report = trainer.report(batch)
     out = report.to_dict()
     out["model"] = cfg.model
@@ -118,33 +157,50 @@ def can_run_here(n: int) -> bool:
     return devices[0].platform == "cpu" and len(devices) == n
 
 
-def dryrun(cfg: DryRunConfig | None = None, **kwargs: Any) -> dict[str, Any]:
-    """Compile ``cfg``'s train step for its device count on simulated CPU devices.
+def dryrun(
+    model: ModelSource | DryRunConfig | None = None, cfg: DryRunConfig | None = None, **kwargs: Any
+) -> dict[str, Any]:
+    """Compile a train step for its device count on simulated CPU devices, allocating nothing.
 
     Args:
-      cfg: the configuration (or pass its fields as keyword arguments).
+      model: a GPT preset name, your own model factory (a function of no arguments returning a
+        :class:`shardkit.Model`), or its name ``"package.module:function"``.
+      cfg: the configuration (or pass its fields as keyword arguments: ``layout``, ``batch``,
+        ``seq``, ``precision``, ``microbatches``, ...). A factory needs ``seq``.
 
     Returns:
       The report as a dict (see :meth:`shardkit.report.Report.to_dict`) plus ``model``,
       ``config`` and ``peak_host_memory_bytes``.
 
     Example:
-      >>> result = dryrun(model="tiny", layout="fsdp=2,tensor=4", batch=8, seq=64)
+      >>> result = dryrun("tiny", layout="fsdp=2,tensor=4", batch=8, seq=64)
       >>> result["devices"]
       8
+      >>> mine = dryrun("mymodels:small_lm", layout="fsdp=8", batch=8, seq=128)  # doctest: +SKIP
     """
-    cfg = cfg if cfg is not None else DryRunConfig(**kwargs)
+    if isinstance(model, DryRunConfig):  # dryrun(cfg), as before factories
+        model, cfg = None, model
+    if isinstance(model, Model):  # a model in hand: this process only (no name to import it by)
+        model = (lambda m: lambda: m)(model)
+    factory = model if callable(model) else None
+    if cfg is None:
+        name = getattr(factory, "__name__", "model") if factory is not None else model
+        cfg = DryRunConfig(**({"model": name} if name is not None else {}), **kwargs)
     n = cfg.num_devices()
     if can_run_here(n):
         if not xla_bridge.backends_are_initialized():
             jax.config.update("jax_platforms", "cpu")
             jax.config.update("jax_num_cpu_devices", n)
-        return _in_process(cfg)
+        return _in_process(cfg, factory)
+    if factory is not None:  # another process must import it by name
+        cfg = dataclasses.replace(cfg, model=factory_ref(factory))
     return _in_subprocess(cfg)
 
 
 def _in_subprocess(cfg: DryRunConfig) -> dict[str, Any]:
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    # The child imports what this process can (a model factory from the user's own modules).
+    path = os.pathsep.join(p for p in [*sys.path, os.environ.get("PYTHONPATH", "")] if p)
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "shardkit.cli", "dryrun", *cfg.cli_args(), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:

@@ -242,3 +242,56 @@ def test_annotate_overrides_only_what_it_matches():
     assert now["layers/0/mlp/down/kernel"] == "(mlp, None)"
     kept = sk.annotate(model, [(r"mlp/down/kernel$", ("mlp", None))], override=False)
     assert kept.axes == model.axes  # everything was annotated already: nothing to fill
+
+
+# -- dry runs for any model --------------------------------------------------------------------
+
+
+def test_dryrun_takes_a_model_factory_here_and_in_a_subprocess():
+    from byo_factories import gemma_lm
+
+    here = sk.dryrun(gemma_lm, layout="fsdp=8", batch=B, seq=T)
+    direct = sk.Trainer(gemma_lm(), optax.adamw(1e-4), "fsdp=8").report(BATCH)
+    assert here["memory"]["total"] == direct.memory.total and here["flops_per_device"] == direct.flops_per_device
+    # Another device count: a fresh process imports the factory by name.
+    there = sk.dryrun(gemma_lm, layout="fsdp=4", batch=B, seq=T)
+    assert there["devices"] == 4 and there["model"] == "byo_factories:gemma_lm"
+    assert there["memory"]["params"] == pytest.approx(2 * here["memory"]["params"], rel=0.05)
+
+
+def test_cli_dryrun_takes_package_module_factory():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": os.path.dirname(__file__)}
+    args = ["dryrun", "--model", "byo_factories:linen_lm", "--layout", "fsdp=2,tensor=2", "--batch", "8", "--seq", "32"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", *args, "--json"], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    result = json.loads(proc.stdout)
+    assert result["devices"] == 4 and result["lower_bound"]["bytes_tensor"] > 0
+
+
+@pytest.mark.parametrize(
+    "model,kwargs,message",
+    [
+        ("byo_factories:not_a_model", {"seq": T}, "not a shardkit Model"),
+        ("byo_factories:missing", {"seq": T}, "has no attribute 'missing'"),
+        ("no_such_module_xyz:f", {"seq": T}, "cannot import module"),
+        ("byo_factories:gemma_lm", {}, "give the sequence length"),
+        ("byo_factories:gemma_lm", {"seq": T, "remat": "full"}, "GPT presets only"),
+    ],
+)
+def test_dryrun_factory_errors(model, kwargs, message):
+    with pytest.raises(sk.ShardkitError, match=message):
+        sk.dryrun(model, layout="fsdp=8", batch=B, **kwargs)
+
+
+def test_dryrun_of_a_model_object_gives_a_short_error_for_another_device_count():
+    with pytest.raises(sk.ShardkitError) as err:
+        sk.dryrun(nnx_model(), layout="fsdp=4", batch=B, seq=T)
+    assert "cannot be found by another process" in str(err.value) and len(str(err.value)) < 600

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, short_repr
 from shardkit.model import Model, from_nnx
 from shardkit.parallel.experts import MoE
 from shardkit.parallel.ring_attention import ring_attention
@@ -113,7 +113,10 @@ class GPTConfig:
         ``llama2-7b``, ``llama2-13b``, ``llama2-70b``; mixtures of experts ``tiny-moe``,
         ``mixtral-8x7b``."""
         if name not in _PRESETS:
-            raise ShardkitError(f"Unknown GPT preset {name!r}. Choose one of: {', '.join(_PRESETS)}.")
+            raise ShardkitError(
+                f"Unknown GPT preset {short_repr(name)}. Choose one of: {', '.join(_PRESETS)}, or pass your own "
+                "model factory ('package.module:function')."
+            )
         return cls(**{**_PRESETS[name], **overrides})
 
     @staticmethod
