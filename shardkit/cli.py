@@ -146,7 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _plan_arguments(ins, "data=2,fsdp=2,tensor=2")
     ins.set_defaults(model="tiny", seq=None)
     pln = sub.add_parser("plan", help="rank layouts for a model on N devices of some hardware")
-    pln.add_argument("--model", default="llama2-7b", help="GPT preset")
+    pln.add_argument(
+        "--model", default="llama2-7b", help="GPT preset, or your own model factory as package.module:function"
+    )
     pln.add_argument("--devices", type=int, required=True)
     pln.add_argument("--hardware", default="h100", help="h100, h200, a100, tpu-v5p, tpu-v5e, or a JSON file")
     pln.add_argument("--batch", type=int, required=True, help="global batch (sequences per step)")

@@ -40,6 +40,14 @@ def factory_ref(factory: Callable[[], Model]) -> str:
     return f"{module}:{qualname}"
 
 
+def importable_name(factory: Callable[[], Model]) -> str:
+    """``module:qualname`` when another process can import ``factory``, else its bare name."""
+    try:
+        return factory_ref(factory)
+    except ShardkitError:
+        return getattr(factory, "__name__", "model")
+
+
 def load_factory(ref: str) -> Callable[[], Model]:
     """Import ``package.module:attr.path`` and return the object it names."""
     module_name, _, attr = ref.partition(":")

@@ -23,7 +23,7 @@ import contextlib
 import contextvars
 import dataclasses
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -229,7 +229,7 @@ def specs_for(
     axes: Any,
     shapes: Any,
     rules: Rules,
-    mesh: Mesh,
+    mesh: Mesh | Mapping[str, int],
     *,
     allow_replicate: bool = False,
     fallbacks: list[Fallback] | None = None,
@@ -240,14 +240,14 @@ def specs_for(
       axes: tree of ``Axes`` (from :func:`nnx_axes`, :func:`linen_axes` or :func:`regex_axes`).
       shapes: matching tree of arrays or ``ShapeDtypeStruct``.
       rules: logical-to-mesh rules.
-      mesh: the device mesh.
+      mesh: the device mesh, or just its axis sizes (``{"fsdp": 8}``: resolution needs no devices).
       allow_replicate: replicate non-dividing dimensions (recorded in ``fallbacks``).
       fallbacks: list to which replicated dimensions are appended.
 
     Returns:
       A tree of ``PartitionSpec`` with the structure of ``shapes``.
     """
-    mesh_shape = dict(mesh.shape)
+    mesh_shape = dict(mesh.shape if isinstance(mesh, Mesh) else mesh)
 
     def one(path: tuple[Any, ...], ax: Axes, leaf: Any) -> PartitionSpec:
         what = path_str(path) or "array"

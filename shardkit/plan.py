@@ -35,8 +35,19 @@ from shardkit.dryrun import DryRunConfig, can_run_here
 from shardkit.errors import ShardkitError
 from shardkit.hardware import PROFILES, Hardware, get_hardware
 from shardkit.mesh import Layout
+from shardkit.model import Model, model_facts
+from shardkit.model_source import (
+    ModelSource,
+    build_model,
+    factory_ref,
+    importable_name,
+    is_factory_ref,
+    load_factory,
+)
 from shardkit.models.gpt import GPTConfig
+from shardkit.partition import Axes, specs_for
 from shardkit.precision import as_precision
+from shardkit.rules import default_rules
 
 STATE_BYTES_PER_PARAM = {"fp32": 12, "bf16": 12, "bf16-master": 14}
 
@@ -131,23 +142,81 @@ def estimate(result: dict[str, Any], hw: Hardware, compute_dtype: str) -> dict[s
     }
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelFacts:
+    """What the planner needs of a model: its size and which splits its parameters allow.
+
+    Built from a GPT preset (:meth:`of_preset`) or from any :class:`shardkit.Model`
+    (:meth:`of_model`), whose parameters' own names and shapes decide what divides.
+    """
+
+    name: str
+    params: int
+    n_layers: int
+    n_experts: int = 0
+    can_pipeline: bool = False
+    gpt: GPTConfig | None = None
+    model: Model | None = None
+    fingerprint: str = ""
+
+    @classmethod
+    def of_preset(cls, name: str) -> ModelFacts:
+        return cls.of_gpt(GPTConfig.preset(name), name)
+
+    @classmethod
+    def of_gpt(cls, cfg: GPTConfig, name: str = "GPT") -> ModelFacts:
+        return cls(name, cfg.num_params(), cfg.n_layers, cfg.n_experts, cfg.scan_layers, gpt=cfg)
+
+    @classmethod
+    def of_model(cls, name: str, model: Model) -> ModelFacts:
+        abstract = model.abstract_params()
+        leaves = jax.tree.leaves(abstract)
+        raw = json.dumps(
+            [[list(x.shape), str(x.dtype)] for x in leaves]
+            + [str(a) for a in jax.tree.leaves(model.axes, is_leaf=lambda x: isinstance(x, Axes))]
+        )
+        layers = model.stages.n_layers if model.stages else int(model_facts(model).get("layers", 0))
+        return cls(
+            name,
+            sum(x.size for x in leaves),
+            layers,
+            can_pipeline=model.stages is not None,
+            model=model,
+            fingerprint=hashlib.sha256(raw.encode()).hexdigest()[:16],
+        )
+
+    def divides(self, shape: dict[str, int]) -> bool:
+        """Whether every parameter splits evenly under a layout of mesh axis sizes ``shape``."""
+        t, f = shape.get("tensor", 1), shape.get("fsdp", 1)
+        if self.gpt is not None:
+            g = self.gpt
+            return not (g.n_kv_heads % t or g.n_heads % t or g.mlp_dim % t or g.vocab % t or g.dim % f)
+        assert self.model is not None
+        try:
+            specs_for(self.model.axes, self.model.abstract_params(), default_rules(), shape)
+        except ShardkitError:
+            return False
+        return True
+
+
 def candidate_layouts(
-    cfg: GPTConfig, devices: int, batch: int, hw: Hardware, options: PlanOptions, seq: int | None = None
+    facts: ModelFacts | GPTConfig, devices: int, batch: int, hw: Hardware, options: PlanOptions, seq: int | None = None
 ) -> list[dict[str, int]]:
     """Every ``data x fsdp x tensor x sequence x stage x expert`` split of the devices that the
     model, the batch and the sequence length ``seq`` allow: at most one of ``sequence``, ``stage``
-    and ``expert`` above 1 (``expert`` only for a mixture of experts); tensor and sequence inside
-    a node."""
+    and ``expert`` above 1 (``expert`` only for a mixture of experts, ``stage`` only for a model
+    that says how it splits into stages); tensor and sequence inside a node."""
+    if isinstance(facts, GPTConfig):
+        facts = ModelFacts.of_gpt(facts)
     tensors = options.tensor or tuple(t for t in (1, 2, 4, 8, 16) if t <= hw.devices_per_node)
-    experts = options.expert or tuple(e for e in (1, 2, 4, 8, 16) if cfg.n_experts and cfg.n_experts % e == 0)
+    experts = options.expert or tuple(e for e in (1, 2, 4, 8, 16) if facts.n_experts and facts.n_experts % e == 0)
 
     def allowed(t: int, s: int, p: int, e: int) -> bool:
         return (
             devices % (t * s * p * e) == 0
-            and not (cfg.n_kv_heads % t or cfg.n_heads % t or cfg.mlp_dim % t or cfg.vocab % t)
             and (s == 1 or (seq is not None and seq % s == 0))
-            and cfg.n_layers % p == 0
-            and (e == 1 or (cfg.n_experts > 0 and cfg.n_experts % e == 0))
+            and (p == 1 or (facts.can_pipeline and facts.n_layers % p == 0))
+            and (e == 1 or (facts.n_experts > 0 and facts.n_experts % e == 0))
             and sum(x > 1 for x in (s, p, e)) <= 1  # pipelines and islands do not nest yet
         )
 
@@ -158,9 +227,11 @@ def candidate_layouts(
         if not allowed(t, s, p, e):
             continue
         rest = devices // (t * s * p * e)
-        for f in (f for f in range(1, rest + 1) if rest % f == 0 and cfg.dim % f == 0):
+        for f in (f for f in range(1, rest + 1) if rest % f == 0):
             d = rest // f
             shape = {"data": d, "fsdp": f, "tensor": t, "sequence": s, "stage": p, "expert": e}
+            if not facts.divides(shape):
+                continue
             links = axis_links(shape, hw)
             # Stages come after tensor in the mesh order, so t * s * p devices must fit in a node
             # or tensor steps between nodes; the link check covers the node size for tensor and
@@ -187,14 +258,16 @@ class _Cache:
             self.data = {}  # a damaged cache is only a slower plan
 
     @staticmethod
-    def key(cfg: DryRunConfig) -> str:
-        raw = json.dumps([dataclasses.asdict(cfg), jax.__version__], sort_keys=True)
+    def key(cfg: DryRunConfig, fingerprint: str = "") -> str:
+        """Everything that changes the compiled program; ``fingerprint`` stands for a factory's
+        model (its parameters' shapes, dtypes and names), whose code the name alone does not pin."""
+        raw = json.dumps([dataclasses.asdict(cfg), jax.__version__, fingerprint], sort_keys=True)
         return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
-    def get(self, cfg: DryRunConfig) -> dict[str, Any] | None:
-        return self.data.get(self.key(cfg))
+    def get(self, cfg: DryRunConfig, fingerprint: str = "") -> dict[str, Any] | None:
+        return self.data.get(self.key(cfg, fingerprint))
 
-    def put(self, cfg: DryRunConfig, result: dict[str, Any]) -> None:
+    def put(self, cfg: DryRunConfig, result: dict[str, Any], fingerprint: str = "") -> None:
         keep = {
             k: result[k]
             for k in (
@@ -207,7 +280,7 @@ class _Cache:
                 "compile_seconds",
             )
         }
-        self.data[self.key(cfg)] = keep
+        self.data[self.key(cfg, fingerprint)] = keep
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data))
@@ -215,7 +288,7 @@ class _Cache:
 
 
 def plan(
-    model: str,
+    model: ModelSource,
     devices: int,
     hardware: str | Hardware,
     batch: int,
@@ -241,25 +314,35 @@ def plan(
     """
     options = options or PlanOptions()
     hw = get_hardware(hardware)
+    factory = model if callable(model) else None
     if not can_run_here(devices):
-        return _plan_in_subprocess(model, devices, hw, batch, seq, options, cache_dir)
+        ref = factory_ref(factory) if factory is not None else model
+        return _plan_in_subprocess(ref, devices, hw, batch, seq, options, cache_dir)
     if not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", devices)
     from shardkit.dryrun import _in_process
 
-    cfg = GPTConfig.preset(model)
+    if factory is None and not is_factory_ref(model):
+        facts = ModelFacts.of_preset(model)
+    else:
+        factory = factory or load_factory(model)
+        label = model if isinstance(model, str) else importable_name(factory)
+        facts = ModelFacts.of_model(label, build_model(factory, label))
+        # A factory builds its own model: remat and depth are its business (see _factory_trainer).
+        options = dataclasses.replace(options, remat=("none",))
+    model_name = facts.name
     precision = as_precision(options.precision)
     compute_dtype = jax.numpy.dtype(precision.compute).name
     budget = options.headroom * hw.memory_bytes
     state_per_param = STATE_BYTES_PER_PARAM[precision.name]
     cache = _Cache(cache_dir)
     plans: list[Plan] = []
-    for shape in candidate_layouts(cfg, devices, batch, hw, options, seq):
+    for shape in candidate_layouts(facts, devices, batch, hw, options, seq):
         spec = _spec(shape)
         schedule = options.schedule if shape["stage"] > 1 else None
         split = shape["fsdp"] * shape["tensor"] * shape["stage"] * shape["expert"]  # ~ what the big weights divide by
-        state = cfg.num_params() * state_per_param / split
+        state = facts.params * state_per_param / split
         if state > budget:
             note = "model state alone exceeds the memory budget (not compiled)"
             plans.append(Plan(spec, 1, options.remat[0], False, state, {}, note=note))
@@ -271,7 +354,7 @@ def plan(
                 if batch % (shape["data"] * shape["fsdp"] * shape["expert"] * mb):
                     continue
                 dr = DryRunConfig(
-                    model=model,
+                    model=model_name,
                     layout=spec,
                     batch=batch,
                     seq=seq,
@@ -280,12 +363,12 @@ def plan(
                     remat=remat,
                     schedule=schedule,
                 )
-                result = cache.get(dr)
+                result = cache.get(dr, facts.fingerprint)
                 if result is None:
                     if progress:
                         progress(f"dry run {spec} remat={remat} microbatches={mb}")
-                    result = _in_process(dr)
-                    cache.put(dr, result)
+                    result = _in_process(dr, (lambda: facts.model) if facts.model is not None else None)
+                    cache.put(dr, result, facts.fingerprint)
                 chosen = (remat, mb, result)
                 if result["memory"]["total"] <= budget:
                     break
@@ -313,7 +396,7 @@ def plan(
         )
     if not plans:
         raise ShardkitError(
-            f"No layout of {model} divides over {devices} devices with batch {batch}: choose a batch divisible by "
+            f"No layout of {model_name} divides over {devices} devices with batch {batch}: choose a batch divisible by "
             "the device count, or another device count."
         )
     plans.sort(
@@ -321,14 +404,18 @@ def plan(
     )
     best = plans[0] if plans[0].fits else None
     return {
-        "model": model,
+        "model": model_name,
         "devices": devices,
         "hardware": hw.name,
         "batch": batch,
         "seq": seq,
         "precision": precision.name,
         "best": best.layout if best else None,
-        "best_flags": best.cli_flags() + f" --precision {precision.name}" if best else None,
+        "best_flags": (
+            f"--model {model_name} --batch {batch} --seq {seq} " + best.cli_flags() + f" --precision {precision.name}"
+            if best
+            else None
+        ),
         "plans": [dataclasses.asdict(p) for p in plans],
     }
 
@@ -370,7 +457,8 @@ def _plan_in_subprocess(
         if values:
             cmd += [flag, ",".join(map(str, values))]
     cmd += ["--schedule", options.schedule]
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    path = os.pathsep.join(p for p in [*sys.path, os.environ.get("PYTHONPATH", "")] if p)
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     if cache_dir:
         env["SHARDKIT_CACHE"] = str(cache_dir)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -295,3 +295,30 @@ def test_dryrun_of_a_model_object_gives_a_short_error_for_another_device_count()
     with pytest.raises(sk.ShardkitError) as err:
         sk.dryrun(nnx_model(), layout="fsdp=4", batch=B, seq=T)
     assert "cannot be found by another process" in str(err.value) and len(str(err.value)) < 600
+
+
+# -- the planner for any model -----------------------------------------------------------------
+
+
+def test_plan_ranks_layouts_of_a_model_factory(tmp_path):
+    from byo_factories import gemma_lm
+
+    from shardkit.plan import ModelFacts, candidate_layouts
+
+    options = sk.PlanOptions(tensor=(1, 2, 4), sequence=(1,), stage=(1,), microbatches=(1,))
+    result = sk.plan(gemma_lm, 8, "h100", batch=B, seq=T, options=options, cache_dir=tmp_path)
+    layouts = {p["layout"] for p in result["plans"]}
+    # Its own parameters decide what divides: 2 kv heads allow tensor=2 but not tensor=4.
+    assert "data=4,tensor=2" in layouts and not any("tensor=4" in x for x in layouts)
+    facts = ModelFacts.of_model("gemma", gemma_lm())
+    assert not facts.divides({"tensor": 4}) and facts.divides({"tensor": 2, "fsdp": 4})
+    assert all(
+        s["stage"] == 1 for s in candidate_layouts(facts, 8, B, sk.hardware.get_hardware("h100"), sk.PlanOptions())
+    )
+    # Costs come from the compiled program of this model, and the best command is complete.
+    direct = sk.Trainer(gemma_lm(), optax.adamw(1e-4), result["best"], precision="bf16-master").report(BATCH)
+    best = next(p for p in result["plans"] if p["layout"] == result["best"])
+    assert best["memory_per_device"] == direct.memory.total
+    assert result["best_flags"].startswith(
+        f"--model byo_factories:gemma_lm --batch {B} --seq {T} --layout {result['best']}"
+    )
