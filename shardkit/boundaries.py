@@ -16,6 +16,7 @@ At every submodule call, each array output whose leading dimension is the batch 
   or MLP) is a layer boundary: its other dimensions are resolved as ``(batch, seq, ...)`` and the
   rest replicated, which is where Megatron tensor parallelism reduces (and, under sequence
   parallelism, where ``seq`` is split);
+- on Explicit mesh axes nothing is constrained: there the model's types say where arrays live;
 - any other output leaves its other dimensions to the partitioner (``UNCONSTRAINED``), so heads,
   MLP units and the vocabulary stay split over ``tensor`` inside a layer.
 
@@ -34,7 +35,7 @@ from typing import Any
 import jax
 from flax import linen as nn
 from flax import nnx
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
 
 from shardkit.partition import constrain_to, current_rules
 from shardkit.rules import resolve
@@ -61,6 +62,8 @@ def boundary_spec(shape: Sequence[int], layer_boundary: bool) -> PartitionSpec |
     if ctx is None or rows is None or not shape or shape[0] != rows:
         return None
     mesh, rules = ctx
+    if AxisType.Explicit in mesh.axis_types:  # sharding in types: the model says where things go
+        return None
     if layer_boundary:
         names = (
             ("batch", "seq") + (None,) * (len(shape) - 2)

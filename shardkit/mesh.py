@@ -16,7 +16,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, short_repr
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "sequence", "stage", "expert")
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -30,6 +30,9 @@ class Layout:
       sizes: ordered ``(axis, size)`` pairs: the canonical axes first, then any custom ones.
       across_hosts: the axes that span hosts (the slower network); every other axis stays
         inside one host. Empty: devices in JAX's order, so the outermost axes span hosts.
+      explicit: the mesh axes are ``AxisType.Explicit`` (sharding in types, for models written
+        for it); by default they are ``Auto`` (annotations constrain, XLA propagates). One mesh
+        has one type: shardkit's own steps do not mix the two.
 
     Example:
       >>> Layout.parse("data=2,fsdp=-1,tensor=2").resolve(8).spec()
@@ -38,6 +41,7 @@ class Layout:
 
     sizes: tuple[tuple[str, int], ...]
     across_hosts: tuple[str, ...] = ()
+    explicit: bool = False
 
     def spanning(self, *axes: str) -> Layout:
         """This layout with ``axes`` spanning hosts, e.g. ``Layout.parse("data=2,fsdp=4").spanning("data")``."""
@@ -70,14 +74,16 @@ class Layout:
     def parse(cls, text: str) -> Layout:
         """Parse ``"data=2,fsdp=-1,tensor=2"`` (spaces allowed; unnamed axes have size 1).
 
-        ``across_hosts=data`` (axes joined by ``+``) names the axes that span hosts.
+        ``across_hosts=data`` (axes joined by ``+``) names the axes that span hosts. A size may
+        carry the axis type, ``fsdp=4:explicit`` (or ``:auto``); the other axes take the same.
 
         Raises:
-          ShardkitError: on a malformed entry or an axis named twice.
+          ShardkitError: on a malformed entry, an axis named twice, or axis types that differ.
         """
         if isinstance(text, Layout):
             return text
         sizes: dict[str, int] = {}
+        types: dict[str, str] = {}
         across: tuple[str, ...] = ()
         for part in (p.strip() for p in str(text).split(",")):
             if not part:
@@ -86,6 +92,13 @@ class Layout:
             if name == "across_hosts":
                 across = tuple(a.strip() for a in value.split("+") if a.strip())
                 continue
+            value, _, axis_type = value.partition(":")
+            if axis_type:
+                if axis_type.strip() not in ("auto", "explicit"):
+                    raise ShardkitError(
+                        f"Layout entry {part!r}: the axis type after ':' is 'auto' or 'explicit', not {axis_type!r}."
+                    )
+                types[name] = axis_type.strip()
             try:
                 size = int(value)
             except ValueError:
@@ -97,7 +110,14 @@ class Layout:
             if name in sizes:
                 raise ShardkitError(f"Layout {text!r} names axis {name!r} twice; name each axis once.")
             sizes[name] = size
-        layout = cls.of(**sizes)
+        if len(set(types.values())) > 1:
+            marked = ", ".join(f"{a}:{t}" for a, t in types.items())
+            raise ShardkitError(
+                f"Layout {text!r} mixes Auto and Explicit mesh axes ({marked}). "
+                "shardkit builds one mesh of one axis type: mark every axis ':explicit' for a model written for "
+                "sharding in types, or none for Auto axes."
+            )
+        layout = dataclasses.replace(cls.of(**sizes), explicit="explicit" in types.values())
         return layout.spanning(*across) if across else layout
 
     @property
@@ -140,16 +160,18 @@ class Layout:
 
     def spec(self) -> str:
         """The layout as a ``--layout`` string, omitting axes of size 1."""
-        parts = [f"{a}={s}" for a, s in self.sizes if s != 1]
+        suffix = ":explicit" if self.explicit else ""
+        parts = [f"{a}={s}{suffix}" for a, s in self.sizes if s != 1]
         if self.across_hosts:
             parts.append("across_hosts=" + "+".join(self.across_hosts))
-        return ",".join(parts) if parts else "data=1"
+        return ",".join(parts) if parts else f"data=1{suffix}"
 
     def __str__(self) -> str:
         return self.spec()
 
     def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """Build a ``jax.sharding.Mesh`` with Auto axis types over ``devices`` (default: all).
+        """Build a ``jax.sharding.Mesh`` over ``devices`` (default: all), Auto axes unless the
+        layout is explicit.
 
         Axis order is the layout's order, so the innermost axes (``expert``, ``stage``,
         ``sequence``, ``tensor``) get neighbouring devices.
@@ -169,7 +191,8 @@ class Layout:
             device_array = mesh_utils.create_device_mesh(shape, devices)
         else:
             device_array = np.asarray(devices, dtype=object).reshape(shape)
-        return Mesh(device_array, layout.axis_names, axis_types=(AxisType.Auto,) * len(shape))
+        axis_type = AxisType.Explicit if layout.explicit else AxisType.Auto
+        return Mesh(device_array, layout.axis_names, axis_types=(axis_type,) * len(shape))
 
 
 def _hybrid_devices(layout: Layout, devices: list[jax.Device]) -> np.ndarray:
@@ -210,4 +233,4 @@ def as_layout(layout: Layout | str | Mapping[str, int]) -> Layout:
         return Layout.parse(layout)
     if isinstance(layout, Mapping):
         return Layout.of(**layout)
-    raise ShardkitError(f"Expected a Layout, a string like 'data=2,tensor=4' or a dict; got {layout!r}.")
+    raise ShardkitError(f"Expected a Layout, a string like 'data=2,tensor=4' or a dict; got {short_repr(layout)}.")

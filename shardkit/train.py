@@ -8,6 +8,7 @@ shardings, donate)`` is the whole step, in which XLA emits the collectives.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -84,6 +85,18 @@ def next_token_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> 
     return cross_entropy(logits, targets).mean() + aux, jnp.asarray(targets.size, jnp.int32)
 
 
+def like(x: jax.Array, reference: jax.Array) -> jax.Array:
+    """``x`` sharded as ``reference`` where sharding is in the types (Explicit mesh axes), so a
+    loss can combine a model's output, split as the model chose, with the batch's targets, split
+    as shardkit chose. Unchanged on Auto axes, where the partitioner reconciles them."""
+    sharding = getattr(jax.typeof(reference), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or jax.sharding.AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+        return x
+    spec = tuple(sharding.spec) + (None,) * (reference.ndim - len(sharding.spec))
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*spec[: x.ndim]))
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """``(..., V)`` logits, ``(...)`` int targets -> ``(...)`` float32 cross-entropy.
 
@@ -93,6 +106,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     partitioner in jax 0.10.2.)
     """
     logits = logits.astype(jnp.float32)
+    targets = like(targets, logits)
     vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
     picked = jnp.sum(jnp.where(targets[..., None] == vocab, logits, 0.0), axis=-1)
     return jax.nn.logsumexp(logits, axis=-1) - picked
@@ -101,7 +115,9 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def mse_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> tuple[jax.Array, jax.Array]:
     """Mean squared error of ``forward(batch["x"])`` against ``batch["y"]``."""
     pred = forward(batch["x"])
-    return jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2), jnp.asarray(batch["x"].shape[0], jnp.int32)
+    return jnp.mean((pred.astype(jnp.float32) - like(batch["y"], pred)) ** 2), jnp.asarray(
+        batch["x"].shape[0], jnp.int32
+    )
 
 
 class NonFiniteError(ShardkitError):
@@ -296,11 +312,25 @@ class Trainer:
 
     def init(self, seed: int = 0) -> TrainState:
         """Create the train state, every array born with its sharding (no full copy anywhere)."""
-        return self._init(seed)
+        with self._mesh_context():
+            return self._init(seed)
+
+    def _mesh_context(self) -> contextlib.AbstractContextManager[Any]:
+        """JAX's mesh context for Explicit axes (sharding in types needs it to read bare
+        ``PartitionSpec``s while tracing); Auto meshes are named explicitly everywhere."""
+        return jax.set_mesh(self.mesh) if self.layout.explicit else contextlib.nullcontext()
+
+    def _constrain(self, tree: Any, shardings: Any) -> Any:
+        """Pin ``tree`` to ``shardings`` inside the step: a constraint on Auto axes, a
+        ``reshard`` on Explicit ones (whose types carry the sharding)."""
+        if self.layout.explicit:
+            return jax.sharding.reshard(tree, shardings)
+        return jax.lax.with_sharding_constraint(tree, shardings)
 
     def abstract_state(self, seed: int = 0) -> TrainState:
         """The train state as ``ShapeDtypeStruct`` with shardings: for AOT compiles, allocates nothing."""
-        shapes = jax.eval_shape(self._init_fn, seed)
+        with self._mesh_context():
+            shapes = jax.eval_shape(self._init_fn, seed)
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
         )
@@ -371,7 +401,7 @@ class Trainer:
         def split(name: str, x: jax.Array) -> jax.Array:
             micro = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
             spec = PartitionSpec(None, *batch_specs[name])
-            return jax.lax.with_sharding_constraint(micro, NamedSharding(self.mesh, spec))
+            return self._constrain(micro, NamedSharding(self.mesh, spec))
 
         return {name: split(name, x) for name, x in batch.items()}
 
@@ -430,14 +460,14 @@ class Trainer:
         micro = self._microbatches(batch)
         accumulate_shardings = self.state_shardings.params
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        zeros = jax.lax.with_sharding_constraint(zeros, accumulate_shardings)
+        zeros = self._constrain(zeros, accumulate_shardings)
 
         def body(carry: tuple[Any, Any, Any], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, Any, Any], None]:
             grad_sum, loss_sum, count_sum = carry
             mb, i = xs
             loss, count, grads = self._grads(params, mb, jax.random.fold_in(key, i))
             grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
-            grad_sum = jax.lax.with_sharding_constraint(grad_sum, accumulate_shardings)
+            grad_sum = self._constrain(grad_sum, accumulate_shardings)
             return (grad_sum, loss_sum + loss, count_sum + count), None
 
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
@@ -481,8 +511,17 @@ class Trainer:
             out_shardings=(self.state_shardings, NamedSharding(self.mesh, PartitionSpec())),
             donate_argnums=0,
         )
-        with use_sharding(self.mesh, self.rules):
-            return jitted.lower(self.abstract_state(), abstract_batch)
+        with use_sharding(self.mesh, self.rules), self._mesh_context():
+            try:
+                return jitted.lower(self.abstract_state(), abstract_batch)
+            except ValueError as e:
+                if self.layout.explicit or "mesh context" not in str(e):
+                    raise
+                raise ShardkitError(
+                    f"Model {self.model.name} shards by type (jax.sharding.reshard or out_sharding= with a bare "
+                    f"PartitionSpec), which needs Explicit mesh axes, but layout {self.layout.spec()} has Auto axes. "
+                    "Fix: mark the layout's axes explicit, e.g. 'fsdp=4:explicit,tensor=2'."
+                ) from e
 
     def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:
         """Compile (once per batch shape) the train step for batches shaped like ``batch``.

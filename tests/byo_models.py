@@ -229,3 +229,26 @@ class LinenLM(nn.Module):
             name="lm_head",
             kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "vocab")),
         )(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# NNX written for Explicit mesh axes (sharding in types), as Flax's explicit-sharding guide
+# writes it: kernels name mesh axes, the forward says where it gathers and how outputs are split.
+
+
+class ExplicitFSDPMLP(nnx.Module):
+    """ZeRO-3 by hand: kernels live split over ``fsdp``; each use gathers its kernel
+    (``reshard``) and the einsum says its output stays split over the batch axes."""
+
+    def __init__(self, din: int, hidden: int, dout: int, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.w_in = nnx.Param(init(rngs.params(), (din, hidden)), out_sharding=("fsdp", "tensor"))
+        self.w_out = nnx.Param(init(rngs.params(), (hidden, dout)), out_sharding=("tensor", "fsdp"))
+
+    def __call__(self, x):
+        P = jax.sharding.PartitionSpec
+        batch = ("data", "fsdp")
+        w_in = jax.sharding.reshard(self.w_in[...], P(None, "tensor"))
+        h = jax.nn.relu(jnp.einsum("bd,df->bf", x, w_in, out_sharding=P(batch, "tensor")))
+        w_out = jax.sharding.reshard(self.w_out[...], P("tensor", None))
+        return jnp.einsum("bf,fd->bd", h, w_out, out_sharding=P(batch, None))

@@ -322,3 +322,58 @@ def test_plan_ranks_layouts_of_a_model_factory(tmp_path):
     assert result["best_flags"].startswith(
         f"--model byo_factories:gemma_lm --batch {B} --seq {T} --layout {result['best']}"
     )
+
+
+# -- models written for Explicit mesh axes -----------------------------------------------------
+
+
+def explicit_batches():
+    rng = np.random.default_rng(0)
+    return [
+        {"x": rng.normal(size=(8, 16)).astype(np.float32), "y": rng.normal(size=(8, 16)).astype(np.float32)}
+        for _ in range(3)
+    ]
+
+
+@pytest.mark.parametrize("layout", ["data=8:explicit", "fsdp=8:explicit", "data=2:explicit,fsdp=2,tensor=2"])
+def test_a_model_written_for_explicit_axes_trains_and_reports(layout):
+    from byo_models import ExplicitFSDPMLP
+
+    model = sk.from_nnx(lambda rngs: ExplicitFSDPMLP(16, 64, 16, rngs=rngs))
+    trainer = sk.Trainer(model, optax.sgd(0.1), layout, loss=sk.mse_loss)
+    assert set(trainer.mesh.axis_types) == {jax.sharding.AxisType.Explicit}
+    losses, params = run_trainer(trainer, explicit_batches())
+    with nnx.use_eager_sharding(False):
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: ExplicitFSDPMLP(16, 64, 16, rngs=nnx.Rngs(0))))
+
+    def forward(p, b):  # the same maths without the sharding calls: one device, no mesh
+        return jax.nn.relu(b["x"] @ p["w_in"]) @ p["w_out"]
+
+    init = without_eager_sharding(
+        lambda key: nnx.to_pure_dict(nnx.state(ExplicitFSDPMLP(16, 64, 16, rngs=nnx.Rngs(key)), nnx.Param))
+    )
+    want, want_params = reference_training(
+        init, forward, lambda out, b: jnp.mean((out - b["y"]) ** 2), optax.sgd(0.1), explicit_batches()
+    )
+    del graphdef
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    np.testing.assert_allclose(params["w_in"], want_params["w_in"], rtol=1e-5, atol=1e-6)
+    report = trainer.report(
+        {"x": jax.ShapeDtypeStruct((8, 16), jnp.float32), "y": jax.ShapeDtypeStruct((8, 16), jnp.float32)}
+    )
+    if "fsdp" in layout:  # the model gathers its kernels where it says (reshard)
+        assert any(c.kind == "all-gather" and "fsdp" in c.axes for c in report.collectives)
+
+
+def test_explicit_model_on_auto_axes_and_mixed_axis_types_are_refused():
+    from byo_models import ExplicitFSDPMLP
+
+    model = sk.from_nnx(lambda rngs: ExplicitFSDPMLP(16, 64, 16, rngs=rngs))
+    trainer = sk.Trainer(model, optax.sgd(0.1), "fsdp=8", loss=sk.mse_loss)
+    with pytest.raises(sk.ShardkitError, match="needs Explicit mesh axes.*fsdp=4:explicit"):
+        trainer.init(0) and trainer.step(trainer.init(0), trainer.shard_batch(explicit_batches()[0]))
+    with pytest.raises(sk.ShardkitError, match="mixes Auto and Explicit"):
+        sk.Layout.parse("data=2:explicit,fsdp=4:auto")
+    with pytest.raises(sk.ShardkitError, match="'auto' or 'explicit'"):
+        sk.Layout.parse("fsdp=8:manual")
+    assert sk.Layout.parse("data=2:explicit,fsdp=4").spec() == "data=2:explicit,fsdp=4:explicit"
