@@ -417,6 +417,113 @@ PIPELINE = [
 ]
 
 
+BRING_YOUR_OWN = [
+    (
+        "markdown",
+        "# Bring your own model\n\nA Gemma-style NNX language model written the way Flax users write one: "
+        "`nnx.with_partitioning` names on its kernels, grouped-query attention, blocks with several positional "
+        "arguments, and no `sk.constrain` anywhere (`examples/byo_models.py`; it does not import shardkit). "
+        "We take it from unannotated to sharded, reported, dry-run at another size and planned.",
+    ),
+    (
+        "code",
+        "import pathlib\nimport sys\n\nimport shardkit as sk\n\nsk.simulate_devices(8)\n\n"
+        "sys.path.insert(0, str(pathlib.Path(sk.__file__).parents[1] / 'examples'))  # the repository's examples\n"
+        "import jax\nimport jax.numpy as jnp\nimport matplotlib.pyplot as plt\nimport numpy as np\nimport optax\n"
+        "from byo_models import GemmaLM, LMConfig\n\n"
+        "cfg = LMConfig(dim=128, mlp=512, layers=4)\n"
+        "model = sk.from_nnx(lambda rngs: GemmaLM(cfg, rngs=rngs))\n"
+        "trainer = sk.Trainer(model, optax.adamw(3e-3), 'fsdp=8')\n"
+        "print(trainer.format_sharding_table())",
+    ),
+    (
+        "markdown",
+        "## What FSDP does to a model that constrains nothing\nWithout help XLA copies the weights' `embed -> fsdp` "
+        "split into the activations and all-reduces them in every matmul. shardkit constrains every submodule's "
+        "batched outputs to the batch axes (`boundaries=True`, the default), so the weights are gathered instead: "
+        "ZeRO-3's all-gathers and reduce-scatters.",
+    ),
+    (
+        "code",
+        "batch = {'tokens': jax.ShapeDtypeStruct((16, 129), jnp.int32)}\n"
+        "rows = {}\n"
+        "for label, boundaries in (('before', False), ('after', True)):\n"
+        "    m = sk.from_nnx(lambda rngs: GemmaLM(cfg, rngs=rngs), boundaries=boundaries)\n"
+        "    for layout in ('data=8', 'fsdp=8'):\n"
+        "        r = sk.Trainer(m, optax.adamw(3e-3), layout).report(batch)\n"
+        "        rows[label, layout] = (r.ratios['bytes'], r.memory.temp / 1e6)\n"
+        "        print(f'{label:6s} {layout:7s} moved/bound {r.ratios[\"bytes\"]:5.2f}  temp {r.memory.temp / 1e6:6.1f} MB')\n"
+        "fig, axes = plt.subplots(1, 2, figsize=(9, 3))\n"
+        "names = [f'{w}\\n{l}' for w, l in rows]\n"
+        "axes[0].bar(names, [v[0] for v in rows.values()], color=['grey', 'grey', 'tab:blue', 'tab:blue'])\n"
+        "axes[0].axhline(1.0, color='k', ls='--', lw=1); axes[0].set_ylabel('bytes moved / lower bound')\n"
+        "axes[1].bar(names, [v[1] for v in rows.values()], color=['grey', 'grey', 'tab:blue', 'tab:blue'])\n"
+        "axes[1].set_ylabel('temporary MB per device')\n"
+        "fig.tight_layout()\n"
+        "assert rows['after', 'fsdp=8'][0] <= 1.05 < rows['before', 'fsdp=8'][0]",
+    ),
+    ("markdown", "## The collectives, named by the model's own module paths"),
+    ("code", "print(trainer.report(batch).table())"),
+    (
+        "markdown",
+        "## Renaming a few parameters\n`sk.annotate` keeps the model's own names and overrides only what its "
+        "regexes match. A rule that matches nothing is a warning the report lists (an error with `strict=True`).",
+    ),
+    (
+        "code",
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True):\n"
+        "    warnings.simplefilter('always')\n"
+        "    renamed = sk.annotate(model, [(r'mlp/down/kernel$', ('mlp', None)), (r'not/in/this/model$', None)])\n"
+        "t = sk.Trainer(renamed, optax.adamw(3e-3), 'fsdp=8')\n"
+        "print([r['spec'] for r in t.sharding_table() if r['path'].endswith('down/kernel')])\n"
+        "from shardkit.report import sharding_warnings\n"
+        "print(sharding_warnings(t))",
+    ),
+    (
+        "markdown",
+        "## Training under a hybrid layout, next to one device\nThe same losses on `data=2,fsdp=2,tensor=2` as "
+        "on one device.",
+    ),
+    (
+        "code",
+        "data = sk.TextDataset.builtin()\n"
+        "def train(layout, devices):\n"
+        "    t = sk.Trainer(model, optax.adamw(3e-3), layout, devices=devices)\n"
+        "    state, losses = t.init(0), []\n"
+        "    for step in range(20):\n"
+        "        state, metrics = t.step(state, t.shard_batch(data.batch(step, batch_size=16, seq_len=64)))\n"
+        "        losses.append(float(metrics['loss']))\n"
+        "    return losses\n"
+        "one = train('data=1', jax.devices()[:1])\n"
+        "hybrid = train('data=2,fsdp=2,tensor=2', jax.devices())\n"
+        "plt.figure(figsize=(5, 3)); plt.plot(one, label='1 device'); plt.plot(hybrid, '--', label='data=2,fsdp=2,tensor=2')\n"
+        "plt.xlabel('step'); plt.ylabel('loss'); plt.legend(); plt.tight_layout()\n"
+        "np.testing.assert_allclose(hybrid, one, rtol=1e-4)\n"
+        "print(f'loss {one[0]:.3f} -> {one[-1]:.3f} on both')",
+    ),
+    (
+        "markdown",
+        "## A dry run of this model at another size, and a plan\nA factory (`byo_factories:gemma_lm`) names "
+        "the model so another process can build it: here a dry run for 16 devices, then the planner's ranking "
+        "of layouts for 8 H100s, priced from the compiled programs of this model.",
+    ),
+    (
+        "code",
+        "from byo_factories import gemma_lm\n"
+        "result = sk.dryrun(gemma_lm, layout='fsdp=8,tensor=2', batch=32, seq=64)\n"
+        "print(sk.report.Report.from_dict(result).table())",
+    ),
+    (
+        "code",
+        "options = sk.PlanOptions(tensor=(1, 2), sequence=(1,), stage=(1,), microbatches=(1,))\n"
+        "plan = sk.plan(gemma_lm, 8, 'h100', batch=32, seq=64, options=options)\n"
+        "from shardkit.plan import format_plans\n"
+        "print(format_plans(plan))",
+    ),
+]
+
+
 def build(cells, path):
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -433,3 +540,4 @@ if __name__ == "__main__":
     build(PIPELINE, HERE / "03_pipeline_experts_sequence.ipynb")
     build(CHECKPOINT, HERE / "04_checkpoint_and_resume.ipynb")
     build(PLAN, HERE / "05_plan.ipynb")
+    build(BRING_YOUR_OWN, HERE / "06_bring_your_own_model.ipynb")

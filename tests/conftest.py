@@ -1,6 +1,13 @@
 """Every test process sees 8 simulated CPU devices, set before JAX starts its backend."""
 
+import pathlib
+import sys
+
 import shardkit as sk
+
+# examples/ holds models written the way people outside shardkit write them (byo_models.py).
+EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
 
 sk.simulate_devices(8)
 

@@ -1,4 +1,4 @@
-"""Every layout keeps its promise on models shardkit did not write (tests/byo_models.py):
+"""Every layout keeps its promise on models shardkit did not write (examples/byo_models.py):
 losses equal one device's, the compiled step gathers weights and reduce-scatters gradients
 under FSDP without reducing activations over fsdp, bytes at the layout's bound, temporary
 memory near data parallelism's."""
@@ -264,7 +264,9 @@ def test_cli_dryrun_takes_package_module_factory():
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": os.path.dirname(__file__)}
+    from conftest import EXAMPLES
+
+    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(EXAMPLES)}
     args = ["dryrun", "--model", "byo_factories:linen_lm", "--layout", "fsdp=2,tensor=2", "--batch", "8", "--seq", "32"]
     proc = subprocess.run(
         [sys.executable, "-m", "shardkit.cli", *args, "--json"], capture_output=True, text=True, env=env

@@ -86,3 +86,26 @@ def test_pipeline_benchmark_small(tmp_path):
     assert {(r["stages"], r["virtual_stages"]) for r in result["bubble"]} == {(2, 1), (2, 2)}
     assert result["worst_bubble_gap_flops"] < 0.01  # the compiled program does the formula's work
     assert "GPipe" in out and result["memory"][-1]["gpipe"] > result["memory"][0]["gpipe"]
+
+
+@pytest.mark.slow
+def test_any_model_benchmark_small(tmp_path):
+    out = run(
+        sys.executable,
+        "benchmarks/any_model.py",
+        "--dim",
+        "64",
+        "--layers",
+        "2",
+        "--seq",
+        "32",
+        "--json",
+        str(tmp_path / "a.json"),
+    )
+    rows = json.loads((tmp_path / "a.json").read_text())["rows"]
+    after = {(r["model"], r["layout"]): r for r in rows if r["when"] == "after"}
+    before = {(r["model"], r["layout"]): r for r in rows if r["when"] == "before"}
+    for model in ("nnx-gemma", "linen-lm"):
+        assert after[model, "fsdp=8"]["bytes_ratio"] <= 1.05 < before[model, "fsdp=8"]["bytes_ratio"]
+        assert after[model, "fsdp=8"]["reduce_scatter"] and not before[model, "fsdp=8"]["reduce_scatter"]
+    assert "moved/bound" in out

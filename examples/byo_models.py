@@ -2,7 +2,7 @@
 sharding metadata, several positional arguments, grouped-query attention; NNX and Linen.
 
 Nothing here imports shardkit: these are the "your model, not ours" of the tests, notebook 06
-and ``benchmarks/any_model.py``.
+and ``benchmarks/any_model.py``; ``byo_factories.py`` wraps them for shardkit.
 """
 
 from __future__ import annotations

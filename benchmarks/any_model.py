@@ -1,0 +1,84 @@
+"""Layouts on models shardkit did not write: measured/bound bytes and memory, before and after
+module boundaries (examples/byo_models.py: a Gemma-style NNX LM and a Linen LM, neither of which
+constrains its activations).
+
+"before" wraps the model with ``boundaries=False`` (what a user got until now: XLA's guess);
+"after" is the default. Each row is one compiled train step on 8 simulated CPU devices.
+
+    python benchmarks/any_model.py                   # dim 256, 4 layers, batch 16 x 128
+    python benchmarks/any_model.py --dim 64 --layers 2 --seq 32 --json benchmarks/results/any_model.json
+"""
+
+import argparse
+import pathlib
+import sys
+
+from _results import write_json
+
+import shardkit as sk
+
+sk.simulate_devices(8)
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
+
+import jax
+import jax.numpy as jnp
+import optax
+from byo_models import GemmaLM, LinenLM, LMConfig
+
+LAYOUTS = ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2")
+
+
+def models(cfg: LMConfig, seq: int):
+    return {
+        "nnx-gemma": lambda b: sk.from_nnx(lambda rngs: GemmaLM(cfg, rngs=rngs), boundaries=b),
+        "linen-lm": lambda b: sk.from_linen(LinenLM(cfg), jnp.zeros((2, seq), jnp.int32), boundaries=b),
+    }
+
+
+def row(name, when, layout, report):
+    act_fsdp = sum(c.moved_bytes for c in report.collectives if c.kind == "all-reduce" and "fsdp" in c.axes)
+    return {
+        "model": name,
+        "when": when,
+        "layout": layout,
+        "bytes_ratio": report.ratios["bytes"],
+        "moved_mb": report.moved_bytes / 1e6,
+        "bound_mb": report.lower_bound["bytes_per_device"] / 1e6,
+        "all_reduce_over_fsdp_mb": act_fsdp / 1e6,
+        "reduce_scatter": any(c.kind == "reduce-scatter" for c in report.collectives),
+        "temp_mb": report.memory.temp / 1e6,
+        "gflops_per_device": report.flops_per_device / 1e9,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--json", default="benchmarks/results/any_model.json")
+    args = parser.parse_args()
+    cfg = LMConfig(dim=args.dim, mlp=4 * args.dim, heads=8, kv_heads=2, head_dim=args.dim // 8, layers=args.layers)
+    batch = {"tokens": jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)}
+    rows = []
+    for name, make in models(cfg, args.seq).items():
+        for when, boundaries in (("before", False), ("after", True)):
+            for layout in LAYOUTS:
+                report = sk.Trainer(make(boundaries), optax.adamw(1e-3), layout).report(batch)
+                rows.append(row(name, when, layout, report))
+    print(
+        f"{'model':10s} {'when':7s} {'layout':24s} {'moved/bound':>11s} {'AR fsdp MB':>10s} {'RS':3s} "
+        f"{'temp MB':>8s} {'GFLOP/dev':>9s}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:10s} {r['when']:7s} {r['layout']:24s} {r['bytes_ratio']:11.2f} "
+            f"{r['all_reduce_over_fsdp_mb']:10.2f} {'yes' if r['reduce_scatter'] else 'no':3s} "
+            f"{r['temp_mb']:8.2f} {r['gflops_per_device']:9.3f}"
+        )
+    write_json(args.json, {"config": vars(args), "versions": {"jax": jax.__version__}, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
