@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, short_repr
 from shardkit.mesh import Layout, as_layout
 from shardkit.model import Model, Params
 from shardkit.parallel.pipeline import pipeline_value_and_grad
@@ -137,7 +137,7 @@ class NonFiniteError(ShardkitError):
 NONFINITE_POLICIES = ("skip", "halt")
 
 NOT_AN_OPTIMIZER = """\
-optimizer must be an optax.GradientTransformation, got {got!r}.
+optimizer must be an optax.GradientTransformation, got {got}.
 Fix: pass one, e.g. optax.adamw(3e-4) or optax.sgd(0.1, momentum=0.9).
 """
 
@@ -206,7 +206,7 @@ class Trainer:
         devices: Sequence[jax.Device] | None = None,
     ) -> None:
         if not isinstance(optimizer, optax.GradientTransformation):
-            raise ShardkitError(NOT_AN_OPTIMIZER.format(got=optimizer))
+            raise ShardkitError(NOT_AN_OPTIMIZER.format(got=short_repr(optimizer)))
         if not isinstance(model, Model):
             raise ShardkitError(
                 f"model must be a shardkit Model, got {type(model).__name__}. Wrap a Flax model with "

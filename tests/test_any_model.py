@@ -379,3 +379,19 @@ def test_explicit_model_on_auto_axes_and_mixed_axis_types_are_refused():
     with pytest.raises(sk.ShardkitError, match="'auto' or 'explicit'"):
         sk.Layout.parse("fsdp=8:manual")
     assert sk.Layout.parse("data=2:explicit,fsdp=4").spec() == "data=2:explicit,fsdp=4:explicit"
+
+
+def test_errors_about_a_model_print_short_reprs():
+    model = nnx_model()
+    messages = []
+    for bad in (
+        lambda: sk.Trainer(model, model, "fsdp=8"),  # a model where the optimizer goes
+        lambda: sk.Trainer(model, optax.sgd(0.1), model),  # a model where the layout goes
+        lambda: sk.models.GPTConfig.preset(model),
+        lambda: sk.dryrun(model, layout="fsdp=4", batch=B, seq=T),
+    ):
+        with pytest.raises(sk.ShardkitError) as err:
+            bad()
+        messages.append(str(err.value))
+    assert len(repr(model)) > 1000 and all(len(m) < 600 for m in messages), [len(m) for m in messages]
+    assert all(repr(model)[:300] not in m for m in messages)
