@@ -7,6 +7,7 @@ Mesh axes are always the canonical six, in this order, size 1 where unused:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -51,8 +52,12 @@ class Layout:
         return dataclasses.replace(self, across_hosts=tuple(a for a in self.axis_names if a in axes))
 
     @classmethod
-    def of(cls, **sizes: int) -> Layout:
-        """Build a layout from keyword sizes: ``Layout.of(data=2, tensor=4)``."""
+    def of(cls, custom: Sequence[str] = (), **sizes: int) -> Layout:
+        """Build a layout from keyword sizes: ``Layout.of(data=2, tensor=4)``.
+
+        Axes other than :data:`MESH_AXES` must be declared in ``custom`` (a misspelt axis would
+        otherwise shard nothing): ``Layout.of(data=4, replica=2, custom=("replica",))``.
+        """
         for name, size in sizes.items():
             if not _AXIS_NAME.match(name):
                 raise ShardkitError(f"Mesh axis name {name!r} is not an identifier; use e.g. 'data'.")
@@ -61,6 +66,9 @@ class Layout:
                     f"Mesh axis {name}={size!r}: a size must be a positive integer, or -1 for "
                     "'the rest of the devices'."
                 )
+        for name in sizes:
+            if name not in MESH_AXES and name not in custom:
+                raise ShardkitError(_unknown_axis(name, sizes))
         if sum(1 for s in sizes.values() if s == -1) > 1:
             raise ShardkitError(
                 f"Layout {sizes} has more than one axis of size -1; only one axis can take "
@@ -74,7 +82,8 @@ class Layout:
     def parse(cls, text: str) -> Layout:
         """Parse ``"data=2,fsdp=-1,tensor=2"`` (spaces allowed; unnamed axes have size 1).
 
-        ``across_hosts=data`` (axes joined by ``+``) names the axes that span hosts. A size may
+        ``across_hosts=data`` (axes joined by ``+``) names the axes that span hosts;
+        ``custom=replica`` (joined by ``+``) declares axes of your own. A size may
         carry the axis type, ``fsdp=4:explicit`` (or ``:auto``); the other axes take the same.
 
         Raises:
@@ -85,12 +94,14 @@ class Layout:
         sizes: dict[str, int] = {}
         types: dict[str, str] = {}
         across: tuple[str, ...] = ()
+        custom: tuple[str, ...] = ()
         for part in (p.strip() for p in str(text).split(",")):
             if not part:
                 continue
             name, eq, value = (s.strip() for s in part.partition("="))
-            if name == "across_hosts":
-                across = tuple(a.strip() for a in value.split("+") if a.strip())
+            if name in ("across_hosts", "custom"):
+                names = tuple(a.strip() for a in value.split("+") if a.strip())
+                across, custom = (names, custom) if name == "across_hosts" else (across, names)
                 continue
             value, _, axis_type = value.partition(":")
             if axis_type:
@@ -117,7 +128,7 @@ class Layout:
                 "shardkit builds one mesh of one axis type: mark every axis ':explicit' for a model written for "
                 "sharding in types, or none for Auto axes."
             )
-        layout = dataclasses.replace(cls.of(**sizes), explicit="explicit" in types.values())
+        layout = dataclasses.replace(cls.of(custom, **sizes), explicit="explicit" in types.values())
         return layout.spanning(*across) if across else layout
 
     @property
@@ -162,6 +173,9 @@ class Layout:
         """The layout as a ``--layout`` string, omitting axes of size 1."""
         suffix = ":explicit" if self.explicit else ""
         parts = [f"{a}={s}{suffix}" for a, s in self.sizes if s != 1]
+        custom = [a for a in self.axis_names if a not in MESH_AXES]
+        if custom:
+            parts.append("custom=" + "+".join(custom))
         if self.across_hosts:
             parts.append("across_hosts=" + "+".join(self.across_hosts))
         return ",".join(parts) if parts else f"data=1{suffix}"
@@ -193,6 +207,34 @@ class Layout:
             device_array = np.asarray(devices, dtype=object).reshape(shape)
         axis_type = AxisType.Explicit if layout.explicit else AxisType.Auto
         return Mesh(device_array, layout.axis_names, axis_types=(axis_type,) * len(shape))
+
+
+# The short names other frameworks use for the same axes.
+_ABBREVIATIONS = {
+    "dp": "data",
+    "tp": "tensor",
+    "mp": "tensor",
+    "pp": "stage",
+    "sp": "sequence",
+    "cp": "sequence",
+    "ep": "expert",
+    "zero": "fsdp",
+    "model": "tensor",
+    "pipeline": "stage",
+    "experts": "expert",
+}
+
+
+def _unknown_axis(name: str, sizes: Mapping[str, int]) -> str:
+    """The error for an axis that is neither a mesh axis nor declared, with the likely fix."""
+    close = [_ABBREVIATIONS[name.lower()]] if name.lower() in _ABBREVIATIONS else []
+    close = close or difflib.get_close_matches(name.lower(), MESH_AXES, n=1, cutoff=0.5)
+    guess = f" Did you mean {close[0]!r}?" if close else ""
+    entries = ",".join(f"{a}={s}" for a, s in sizes.items())
+    return (
+        f"Layout axis {name!r} is not a mesh axis ({', '.join(MESH_AXES)}).{guess} An axis of your own must be "
+        f"declared, or it would shard nothing: '{entries},custom={name}'."
+    )
 
 
 def _hybrid_devices(layout: Layout, devices: list[jax.Device]) -> np.ndarray:

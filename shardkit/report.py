@@ -420,7 +420,9 @@ def build_report(trainer: Trainer, batch: dict[str, Any], compile_seconds: float
     activation = per_group_rows * seq * info.get("dim", 0) * np.dtype(trainer.precision.compute).itemsize
     bound = lower_bound(layout_shape, param_bytes, state_bytes, layers=layers, activation_bytes=activation)
     model_flops = None
-    if info.get("matmul_params") and "tokens" in batch:  # a language model; PaLM's count: 6N per token for the matmuls + 12*L*h*s for attention
+    if (
+        info.get("matmul_params") and "tokens" in batch
+    ):  # a language model; PaLM's count: 6N per token for the matmuls + 12*L*h*s for attention
         model_flops = float(rows * seq * (6 * info["matmul_params"] + 12 * layers * info["dim"] * seq))
     return Report(
         backend=trainer.mesh.devices.flat[0].platform,

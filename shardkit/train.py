@@ -559,6 +559,11 @@ class Trainer:
         Raises:
           NonFiniteError: under ``nonfinite="halt"``, for a step with NaN/Inf.
         """
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+            raise ShardkitError(
+                "This train state was donated to an earlier step (its buffers now hold the next state). "
+                "Fix: continue from the state that step returned: state, metrics = trainer.step(state, batch)."
+            )
         new_state, metrics = self.compile(batch)(state, batch)
         if self.nonfinite == "halt" and not bool(metrics["finite"]):
             step = int(new_state.step) + 1

@@ -219,3 +219,14 @@ def test_data_errors():
         ds.batch(0, batch_size=2, seq_len=64)
     with pytest.raises(sk.ShardkitError, match="does not divide over 3 processes"):
         sk.TextDataset.builtin().batch(0, batch_size=8, seq_len=16, process_index=0, process_count=3)
+
+
+def test_a_donated_state_is_refused_before_jax_sees_it():
+    trainer = sk.Trainer(gpt(), optax.sgd(0.1), "data=8")
+    batch = trainer.shard_batch({"tokens": jnp.zeros((8, 17), jnp.int32)})
+    state = trainer.init(0)
+    new_state, _ = trainer.step(state, batch)
+    with pytest.raises(sk.ShardkitError, match="donated to an earlier step"):
+        trainer.step(state, batch)
+    again, _ = trainer.step(new_state, batch)  # the returned state goes on
+    assert int(again.step) == 2

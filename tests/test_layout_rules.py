@@ -1,6 +1,7 @@
 """Layout parsing and the resolver's semantics, against hand-worked expectations."""
 
 import jax
+import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -19,8 +20,27 @@ def test_parse_orders_canonical_axes_and_fills_the_rest():
 
 
 def test_custom_axes_come_after_the_canonical_ones():
-    layout = sk.Layout.parse("replica=2,data=4")
+    layout = sk.Layout.parse("replica=2,data=4,custom=replica")
     assert layout.axis_names == (*sk.MESH_AXES, "replica")
+    assert sk.Layout.parse(layout.spec()) == layout
+
+
+@pytest.mark.parametrize(
+    "text,guess",
+    [
+        ("dat=8", "data"),
+        ("Data=8", "data"),
+        ("dta=8", "data"),
+        ("tensr=4,data=2", "tensor"),
+        ("tp=4,dp=2", "tensor"),
+        ("rows=8", None),
+    ],
+)
+def test_a_misspelt_or_undeclared_axis_is_refused_with_a_suggestion(text, guess):
+    with pytest.raises(sk.ShardkitError, match="is not a mesh axis") as err:
+        sk.Layout.parse(text)
+    assert (f"Did you mean {guess!r}" in str(err.value)) if guess else "Did you mean" not in str(err.value)
+    assert "custom=" in str(err.value)
 
 
 def test_mesh_has_auto_axes_in_layout_order():
