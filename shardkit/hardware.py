@@ -1,7 +1,7 @@
 """Hardware profiles: what one accelerator computes, holds and moves, and how devices are grouped.
 
-Figures are per device, bandwidths one direction. Built-in profiles use the vendors' dense
-peak numbers (DESIGN.md's reference figures); ``Hardware.from_file`` reads a JSON file with the
+Figures are per device, bandwidths one direction. Built-in profiles use the vendors' published
+dense peak numbers; ``Hardware.from_file`` reads a JSON file with the
 same fields for anything else.
 """
 

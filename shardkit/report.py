@@ -3,7 +3,7 @@
 For a compiled train step it lists every collective (kind, count per step, bytes, the mesh
 axes it runs over, the user op it comes from), per-device memory (parameters, optimizer
 state, batch, temporaries, outputs, aliasing), matmul FLOPs, and the analytic lower bound of
-the layout (DESIGN.md's reference formulas) with the measured/bound ratios.
+the layout (the reference formulas below) with the measured/bound ratios.
 
 Bytes moved per device use ring algorithms on ``n`` devices for an array of ``S`` bytes:
 all-reduce ``2(n-1)/n*S``; all-gather, reduce-scatter, all-to-all ``(n-1)/n*S``;
@@ -18,17 +18,41 @@ import functools
 import json
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
 from shardkit import hlo
-from shardkit.model import model_facts
-from shardkit.rules import entry_axes
+from shardkit.mesh import Layout
+from shardkit.model import Model, model_facts
+from shardkit.precision import Precision
+from shardkit.rules import Rules, entry_axes
 
-if TYPE_CHECKING:
-    from shardkit.train import Trainer
+
+class CompiledStep(Protocol):
+    """What a report reads of a compiled train step (``shardkit.Trainer`` is one); declared here
+    so that the analysis layer never imports the training layer (docs/architecture.md)."""
+
+    mesh: Mesh
+    model: Model
+    layout: Layout
+    rules: Rules
+    precision: Precision
+    microbatches: int
+    param_specs: Any
+    state_shardings: Any
+
+    def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled: ...
+
+    def abstract_state(self, seed: int = 0) -> Any: ...
+
+    def batch_specs(self, batch: Mapping[str, Any]) -> dict[str, PartitionSpec]: ...
+
+    def sharding_table(self) -> list[dict[str, Any]]: ...
+
 
 # Path components of an HLO op_name that are JAX plumbing rather than the user's code.
 _PLUMBING = {"while", "body", "closed_call", "checkpoint", "remat", "rematted_computation", "cond", ""}
@@ -355,7 +379,7 @@ def lower_bound(
     layers: int = 0,
     activation_bytes: float = 0.0,
 ) -> dict[str, float]:
-    """The least a layout must move and hold per device (DESIGN.md's reference formulas).
+    """The least a layout must move and hold per device (ring collectives, ZeRO, Megatron).
 
     Args:
       layout_shape: mesh axis sizes.
@@ -386,7 +410,7 @@ def lower_bound(
     }
 
 
-def build_report(trainer: Trainer, batch: dict[str, Any], compile_seconds: float | None = None) -> Report:
+def build_report(trainer: CompiledStep, batch: dict[str, Any], compile_seconds: float | None = None) -> Report:
     """The report of ``trainer``'s step compiled for batches shaped like ``batch``."""
     compiled = trainer.compile(batch)
     text = compiled.as_text()
@@ -440,7 +464,7 @@ def build_report(trainer: Trainer, batch: dict[str, Any], compile_seconds: float
     )
 
 
-def sharding_warnings(trainer: Trainer, top: int = 3, min_fraction: float = 0.01) -> list[str]:
+def sharding_warnings(trainer: CompiledStep, top: int = 3, min_fraction: float = 0.01) -> list[str]:
     """Warnings a user should see before a long run.
 
     - the largest parameters left fully replicated on a mesh of several devices (each at least

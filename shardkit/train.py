@@ -1,6 +1,6 @@
 """Sharded training: the train state, its sharded init, and one compiled train step.
 
-Data flow (see DESIGN.md): model axes + rules + mesh -> PartitionSpec trees for the parameters,
+Data flow (docs/architecture.md): model axes + rules + mesh -> PartitionSpec trees for the parameters,
 the optimizer state (moments follow their parameter, counters replicated) and the batch ->
 ``jit(init, out_shardings)`` creates everything already sharded -> ``jit(step, in/out
 shardings, donate)`` is the whole step, in which XLA emits the collectives.

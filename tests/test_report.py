@@ -1,4 +1,4 @@
-"""Reports of compiled steps against the reference formulas (DESIGN.md), dry runs, inspect."""
+"""Reports of compiled steps against the reference formulas (ring collectives, ZeRO, Megatron), dry runs, inspect."""
 
 import json
 import subprocess
