@@ -184,11 +184,11 @@ def regex_axes(
         key = path_str(path)
         mine = own_by_path.get(key)
         annotated = mine is not None and (mine.names is not None or mine.spec is not None)
-        if annotated and not override:
-            return mine
         for regex, pattern, target in compiled:
             if regex.search(key):
                 used.add(pattern)
+                if annotated and not override:
+                    return mine
                 if target is None:
                     return Axes()
                 if isinstance(target, PartitionSpec):

@@ -43,6 +43,12 @@ class Precision:
         """Floating parameters in the compute dtype (integers untouched)."""
         return _cast(params, self.compute)
 
+    def optimizer_copy(self, params: Any) -> Any:
+        """What the optimizer updates: the master copy, or the parameters as stored."""
+        if self.master is not None:
+            return jax.tree.map(lambda x: x.astype(self.master), params)
+        return self.cast_for_storage(params)
+
     def cast_for_storage(self, params: Any) -> Any:
         return _cast(params, self.params)
 

@@ -10,9 +10,20 @@ PACKAGE = pathlib.Path(__file__).parent.parent / "shardkit"
 # docs/architecture.md, "Layers".
 LAYERS = {
     0: {"errors", "devices", "mesh", "rules", "hlo", "hardware", "precision", "data", "distributed", "launch"},
-    1: {"partition", "boundaries", "model", "model_source", "parallel", "models", "generate"},
+    1: {
+        "partition",
+        "boundaries",
+        "model",
+        "model_source",
+        "parallel",
+        "models",
+        "generate",
+        "state",
+        "losses",
+        "sharding",
+    },
     2: {"report"},
-    3: {"train", "checkpoint"},
+    3: {"steps", "train", "checkpoint"},
     4: {"dryrun", "plan", "run", "cli", "__init__"},
 }
 LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}

@@ -73,7 +73,7 @@ def test_init_never_materialises_a_full_parameter():
     cfg = GPTConfig.preset("tiny", dim=256, mlp_dim=1024)
     model = sk.from_nnx(lambda rngs: GPT(cfg, rngs=rngs))
     trainer = sk.Trainer(model, optax.adamw(1e-3), "fsdp=8")
-    compiled = trainer._init.lower(0).compile()
+    compiled = trainer.lower_init(0).compile()
     mem = compiled.memory_analysis()
     largest = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.abstract_params()))
     total_state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract_state()))

@@ -1,0 +1,69 @@
+"""Losses: ``(forward, batch) -> (scalar loss, count)``, where ``forward`` runs the model.
+
+The count is what the loss averaged over (tokens, examples); the step reports it. Both losses
+work on Auto and Explicit mesh axes (:func:`like` reconciles a target with the model's output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Batch = Mapping[str, jax.Array]
+# loss(forward, batch) -> (scalar loss, number of tokens/examples it averaged over)
+LossFn = Callable[[Callable[[Any], Any], Batch], tuple[jax.Array, jax.Array]]
+
+
+def next_token_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``.
+
+    Args:
+      forward: ``(B, T) int tokens -> (B, T, V) logits`` (or ``(logits, aux_loss)``, added).
+      batch: ``{"tokens": (B, T + 1) int32}``.
+
+    Returns:
+      ``(loss, number of predicted tokens)``.
+    """
+    tokens = batch["tokens"]
+    out = forward(tokens[:, :-1])  # (B, T, V), or (logits, auxiliary loss) for mixtures of experts
+    logits, aux = out if isinstance(out, tuple) else (out, 0.0)
+    targets = tokens[:, 1:]  # (B, T)
+    return cross_entropy(logits, targets).mean() + aux, jnp.asarray(targets.size, jnp.int32)
+
+
+def like(x: jax.Array, reference: jax.Array) -> jax.Array:
+    """``x`` sharded as ``reference`` where sharding is in the types (Explicit mesh axes), so a
+    loss can combine a model's output, split as the model chose, with the batch's targets, split
+    as shardkit chose. Unchanged on Auto axes, where the partitioner reconciles them."""
+    sharding = getattr(jax.typeof(reference), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or jax.sharding.AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+        return x
+    spec = tuple(sharding.spec) + (None,) * (reference.ndim - len(sharding.spec))
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*spec[: x.ndim]))
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``(..., V)`` logits, ``(...)`` int targets -> ``(...)`` float32 cross-entropy.
+
+    The target logit is picked with a compare-and-sum over the vocabulary, not a gather, so a
+    vocabulary split over devices (tensor parallelism) needs only reductions. (A gather of
+    vocab-sharded logits inside a pipeline stage with data and tensor axes aborts XLA's SPMD
+    partitioner in jax 0.10.2.)
+    """
+    logits = logits.astype(jnp.float32)
+    targets = like(targets, logits)
+    vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
+    picked = jnp.sum(jnp.where(targets[..., None] == vocab, logits, 0.0), axis=-1)
+    return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def mse_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Mean squared error of ``forward(batch["x"])`` against ``batch["y"]``."""
+    pred = forward(batch["x"])
+    return jnp.mean((pred.astype(jnp.float32) - like(batch["y"], pred)) ** 2), jnp.asarray(
+        batch["x"].shape[0], jnp.int32
+    )

@@ -1,0 +1,246 @@
+"""The sharding plan: every sharding decision of a training run, as one plain value.
+
+:func:`plan_sharding` takes a model, an optimizer, a layout, rules and a precision policy and
+returns a :class:`ShardingPlan`: the mesh, the ``PartitionSpec`` of every parameter and of the
+whole train state (optimizer moments follow their parameter, counters are replicated), the
+replicated fallbacks, and the specs of batches and the rows each process holds. Building it
+compiles nothing; it can be printed, tested and handed to the step builder and to reports
+(like haliax's ``ResourceMapping`` or optax's ``GradientTransformation``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardkit.errors import ShardkitError
+from shardkit.mesh import Layout, as_layout
+from shardkit.model import Model, Params
+from shardkit.partition import Axes, named, path_str, specs_for
+from shardkit.precision import Precision
+from shardkit.rules import Fallback, Rules, entry_axes, resolve
+from shardkit.state import TrainState
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardingPlan:
+    """Where every array of a training run lives.
+
+    Attributes:
+      layout: the resolved layout (no ``-1``).
+      mesh: the device mesh.
+      rules: the logical-to-mesh rules in force.
+      batch_axes: logical names per batch entry (default: dimension 0 is ``batch``).
+      abstract_params: the parameters' shapes and dtypes.
+      param_axes: the parameters' logical names (:class:`shardkit.partition.Axes` tree).
+      param_specs: ``PartitionSpec`` of every parameter.
+      state_specs: ``PartitionSpec`` tree of the whole :class:`TrainState`.
+      fallbacks: dimensions replicated because they did not divide (``allow_replicate``).
+
+    Example:
+      >>> import optax, shardkit as sk
+      >>> plan = plan_sharding(sk.models.GPTConfig.preset("tiny").model(), optax.adamw(1e-3), "fsdp=8")
+      >>> plan.param_specs["lm_head"]
+      PartitionSpec('fsdp', None)
+    """
+
+    layout: Layout
+    mesh: Mesh
+    rules: Rules
+    batch_axes: Mapping[str, Sequence[str | None]]
+    abstract_params: Params
+    param_axes: Any
+    param_specs: Any
+    state_specs: TrainState
+    fallbacks: tuple[Fallback, ...] = ()
+
+    @property
+    def state_shardings(self) -> TrainState:
+        """``NamedSharding`` tree of the train state."""
+        return named(self.state_specs, self.mesh)
+
+    def constrain(self, tree: Any, shardings: Any) -> Any:
+        """Pin ``tree`` to ``shardings`` inside a traced step: a constraint on Auto axes, a
+        ``reshard`` on Explicit ones (whose types carry the sharding)."""
+        if self.layout.explicit:
+            return jax.sharding.reshard(tree, shardings)
+        return jax.lax.with_sharding_constraint(tree, shardings)
+
+    def batch_specs(self, batch: Mapping[str, Any]) -> dict[str, PartitionSpec]:
+        """PartitionSpec of each batch entry, from ``batch_axes`` (default: dim 0 is ``batch``)."""
+        mesh_shape = dict(self.mesh.shape)
+        specs = {}
+        for name, value in batch.items():
+            shape = tuple(value.shape)
+            names = self.batch_axes.get(name, ("batch",) + (None,) * (len(shape) - 1) if shape else None)
+            specs[name] = resolve(names, shape, self.rules, mesh_shape, what=f"batch[{name!r}]")
+        return specs
+
+    def batch_shards(self, batch: Mapping[str, Any]) -> dict[str, int]:
+        """How many devices split each batch entry's rows."""
+        mesh_shape = dict(self.mesh.shape)
+        return {
+            name: math.prod(mesh_shape[a] for a in entry_axes(spec[0])) if len(spec) else 1
+            for name, spec in self.batch_specs(batch).items()
+        }
+
+    def check_microbatches(self, batch: Mapping[str, Any], microbatches: int) -> None:
+        """Refuse a batch whose rows do not split into ``microbatches`` on every device."""
+        for name, shards in self.batch_shards(batch).items():
+            rows = batch[name].shape[0] if batch[name].shape else 0
+            if rows % (microbatches * shards):
+                raise ShardkitError(
+                    f"batch[{name!r}] has {rows} rows: with microbatches={microbatches} and the batch "
+                    f"split over {shards} devices it needs a multiple of {microbatches * shards}. "
+                    "Change the batch size or the number of microbatches."
+                )
+
+    def local_rows(self, batch_size: int) -> slice:
+        """The rows of a global batch that this process's devices hold (contiguous).
+
+        Each process reads only these rows of every global batch, and the global arrays are
+        assembled without moving data between hosts.
+        """
+        spec = self.batch_specs({"tokens": jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)})["tokens"]
+        sharding = NamedSharding(self.mesh, spec)
+        starts_stops = {
+            (idx[0].start or 0, batch_size if idx[0].stop is None else idx[0].stop)
+            for idx in sharding.addressable_devices_indices_map((batch_size, 1)).values()
+        }
+        start, stop = min(a for a, _ in starts_stops), max(b for _, b in starts_stops)
+        covered = sum(b - a for a, b in starts_stops)
+        if covered != stop - start or (stop - start) * jax.process_count() != batch_size:
+            raise ShardkitError(
+                f"With layout {self.layout.spec()} this process's devices hold rows {sorted(starts_stops)} of the "
+                f"batch, not one contiguous share of it. Put the axes that span hosts first in the batch axes "
+                "(e.g. across_hosts=data)."
+            )
+        return slice(start, stop)
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per parameter: path, shape, logical axes, spec and per-device shard shape."""
+        rows = []
+        flat_axes = dict(_flatten(self.param_axes, is_leaf=lambda x: isinstance(x, Axes)))
+        flat_specs = dict(_flatten(self.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
+        mesh_shape = dict(self.mesh.shape)
+        for path, leaf in _flatten(self.abstract_params):
+            spec = flat_specs[path]
+            entries = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
+            shard = tuple(dim // math.prod(mesh_shape[a] for a in entry_axes(e)) for dim, e in zip(leaf.shape, entries))
+            rows.append(
+                {
+                    "path": path,
+                    "shape": tuple(leaf.shape),
+                    "logical": str(flat_axes[path]),
+                    "spec": spec_str(spec, len(leaf.shape)),
+                    "shard": shard,
+                    "bytes_per_device": math.prod(shard) * jnp.dtype(leaf.dtype).itemsize,
+                }
+            )
+        return rows
+
+    def format_table(self) -> str:
+        """The parameter table as aligned text (scaling-book notation in the spec column)."""
+        rows = self.table()
+        header = ("parameter", "shape", "logical axes", "spec", "per device")
+        lines = [
+            (r["path"], "x".join(map(str, r["shape"])), r["logical"], r["spec"], "x".join(map(str, r["shard"])))
+            for r in rows
+        ]
+        widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+        out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+        out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
+        return "\n".join(out)
+
+
+def plan_sharding(
+    model: Model,
+    optimizer: optax.GradientTransformation,
+    layout: Layout | str | Mapping[str, int],
+    *,
+    rules: Rules,
+    precision: Precision,
+    batch_axes: Mapping[str, Sequence[str | None]] | None = None,
+    allow_replicate: bool = False,
+    devices: Sequence[jax.Device] | None = None,
+) -> ShardingPlan:
+    """Resolve where every parameter, optimizer state and batch array lives; compiles nothing.
+
+    Args:
+      model: the model (its parameters' logical names and shapes).
+      optimizer: the optax transformation (its state's structure).
+      layout: mesh axis sizes (``-1`` fills the devices).
+      rules: logical-to-mesh rules.
+      precision: the precision policy (it decides whether a master copy exists).
+      batch_axes: logical names per batch entry.
+      allow_replicate: replicate non-dividing parameter dimensions, listed in ``fallbacks``.
+      devices: the devices of the mesh (default: all).
+
+    Returns:
+      The :class:`ShardingPlan`.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    resolved = as_layout(layout).resolve(len(devices))
+    mesh = resolved.make_mesh(devices)
+    abstract_params = model.abstract_params()  # eval_shape once
+    fallbacks: list[Fallback] = []
+    param_specs = specs_for(
+        model.axes, abstract_params, rules, mesh, allow_replicate=allow_replicate, fallbacks=fallbacks
+    )
+    abstract_opt = jax.eval_shape(lambda p: optimizer.init(precision.optimizer_copy(p)), abstract_params)
+    replicated = PartitionSpec()
+    state_specs = TrainState(
+        step=replicated,
+        params=param_specs,
+        opt_state=follow_params(abstract_opt, abstract_params, param_specs),
+        rng=replicated,
+        master=param_specs if precision.master is not None else None,
+    )
+    return ShardingPlan(
+        resolved,
+        mesh,
+        rules,
+        dict(batch_axes or {}),
+        abstract_params,
+        model.axes,
+        param_specs,
+        state_specs,
+        tuple(fallbacks),
+    )
+
+
+def follow_params(opt_state: Any, params: Any, param_specs: Any) -> Any:
+    """Specs for an optax state: subtrees shaped like the params (moments) follow them; the rest
+    (step counters, scalars) is replicated."""
+    params_def = jax.tree.structure(params)
+
+    def is_param_like(x: Any) -> bool:
+        try:
+            return jax.tree.structure(x) == params_def and jax.tree.all(
+                jax.tree.map(lambda a, b: getattr(a, "shape", None) == b.shape, x, params)
+            )
+        except (ValueError, TypeError):
+            return False
+
+    return jax.tree.map(
+        lambda sub: param_specs if is_param_like(sub) else jax.tree.map(lambda _: PartitionSpec(), sub),
+        opt_state,
+        is_leaf=is_param_like,
+    )
+
+
+def spec_str(spec: PartitionSpec, ndim: int) -> str:
+    """``PartitionSpec('fsdp', None)`` as ``[fsdp, -]`` (scaling-book style)."""
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
+    return "[" + ", ".join("+".join(entry_axes(e)) or "-" for e in entries) + "]"
+
+
+def _flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:
+    return [(path_str(p), v) for p, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]

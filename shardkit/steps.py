@@ -1,0 +1,243 @@
+"""The train step as small pure functions: gradient strategies and the update.
+
+A gradient strategy is a function ``(params, batch, key) -> (loss, count, grads)``:
+
+- :func:`plain_grads`: one pass over the whole batch;
+- :func:`accumulated_grads`: ``K`` microbatches in a ``lax.scan``, gradients summed in fp32;
+- :func:`pipelined_grads`: microbatches through pipeline stages (``shardkit.parallel.pipeline``).
+
+:func:`make_step` turns a strategy, an optimizer and a precision policy into
+``step(state, batch) -> (state, metrics)``, with the non-finite guard. ``shardkit.Trainer``
+jits that step with the shardings of a :class:`shardkit.sharding.ShardingPlan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shardkit.errors import ShardkitError
+from shardkit.losses import Batch, LossFn
+from shardkit.mesh import Layout
+from shardkit.model import Model, Params
+from shardkit.parallel.pipeline import pipeline_value_and_grad
+from shardkit.parallel.schedule import Schedule, make_schedule
+from shardkit.partition import path_str
+from shardkit.precision import Precision
+from shardkit.sharding import ShardingPlan
+from shardkit.state import TrainState
+
+GradsFn = Callable[[Params, Batch, jax.Array], tuple[jax.Array, jax.Array, Params]]
+StepFn = Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
+_KEY = "__dropout_key__"  # microbatch entry carrying each microbatch's key into the pipeline
+
+
+class NonFiniteError(ShardkitError):
+    """A step produced a NaN/Inf loss or gradient and the policy was ``halt``.
+
+    Attributes:
+      state: the train state as it was before the step (nothing was applied).
+      step: the number of the step that failed (1-based: ``state.step + 1``).
+      parameter: path of the first parameter whose gradient was not finite, or None.
+    """
+
+    def __init__(self, message: str, state: TrainState, step: int, parameter: str | None):
+        super().__init__(message)
+        self.state, self.step, self.parameter = state, step, parameter
+
+
+def pipeline_schedule(
+    model: Model, layout: Layout, name: str | None, virtual_stages: int, microbatches: int
+) -> Schedule | None:
+    """The pipeline schedule when ``layout`` has stages (None otherwise); every misfit of the model,
+    the layout and the schedule is reported here, before anything is traced."""
+    p = layout.size("stage")
+    if p == 1:
+        if name is not None or virtual_stages != 1:
+            raise ShardkitError(
+                f"schedule={name!r}, virtual_stages={virtual_stages} need pipeline stages, but layout "
+                f"{layout.spec()} has stage=1. Fix: add stage=N to the layout, or drop them."
+            )
+        return None
+    stages = model.stages
+    if stages is None:
+        raise ShardkitError(
+            f"Layout {layout.spec()} pipelines the model over {p} stages, but model {model.name} "
+            "does not say how it splits into stages. Fix: build it with sk.from_nnx(..., stacked_layers=...) "
+            "(GPTConfig(scan_layers=True).model() does), or drop stage from the layout."
+        )
+    chunks = p * virtual_stages if isinstance(virtual_stages, int) and virtual_stages > 0 else p
+    if stages.n_layers % chunks:
+        divisors = [d for d in range(1, stages.n_layers + 1) if stages.n_layers % d == 0]
+        raise ShardkitError(
+            f"Model {model.name} has {stages.n_layers} layers: they do not divide into stage={p} "
+            f"stages x virtual_stages={virtual_stages}. Fix: make stage x virtual_stages one of {divisors}, "
+            f"or use a layer count that is a multiple of {chunks}."
+        )
+    for axis in ("sequence", "expert"):
+        if layout.size(axis) > 1:
+            raise ShardkitError(
+                f"Layout {layout.spec()} combines stage with {axis}>1, which shardkit does not "
+                f"pipeline yet. Fix: use stage with data, fsdp and tensor only, or drop stage."
+            )
+    return make_schedule(name or "1f1b", p, microbatches, virtual_stages)
+
+
+def halted(state: TrainState, metrics: dict[str, jax.Array]) -> NonFiniteError:
+    """The error of a step the ``halt`` policy refused: the step, the loss, the first parameter
+    whose gradient was not finite, and the state as it was before the step."""
+    step = int(state.step) + 1
+    bad = [path_str(p) for p, ok in jax.tree_util.tree_flatten_with_path(metrics["finite_grads"])[0] if not ok]
+    return NonFiniteError(
+        f"Step {step}: loss {float(metrics['loss'])}"
+        + (f", first non-finite gradient: {bad[0]} ({len(bad)} parameters in all)" if bad else "")
+        + ". The step was not applied; the state in this error (.state) is the one before it. "
+        "Lower the learning rate, check the batch for bad values, or use nonfinite='skip' to "
+        "skip such steps.",
+        state,
+        step,
+        bad[0] if bad else None,
+    )
+
+
+def plain_grads(model: Model, loss: LossFn, precision: Precision) -> GradsFn:
+    """Loss, count and gradients of one (micro)batch; the forward runs in the compute dtype."""
+
+    def grads(params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
+        def loss_of(p: Params) -> tuple[jax.Array, jax.Array]:
+            compute_params = precision.cast_for_compute(p)
+            return loss(lambda inputs: model.apply(compute_params, inputs, key), batch)
+
+        (value, count), g = jax.value_and_grad(loss_of, has_aux=True)(params)
+        return value, count, g
+
+    return grads
+
+
+def split_microbatches(batch: Batch, k: int, plan: ShardingPlan) -> dict[str, jax.Array]:
+    """``(B, ...) -> (K, B/K, ...)`` for every entry, microbatch ``i`` taking every K-th row from
+    ``i``: each device keeps its own rows and no data moves; the rows stay sharded like the batch."""
+    batch_specs = plan.batch_specs(batch)
+
+    def split(name: str, x: jax.Array) -> jax.Array:
+        micro = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+        return plan.constrain(micro, NamedSharding(plan.mesh, PartitionSpec(None, *batch_specs[name])))
+
+    return {name: split(name, x) for name, x in batch.items()}
+
+
+def accumulated_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan) -> GradsFn:
+    """Mean loss and gradients over ``microbatches`` slices of the batch, one at a time
+    (microbatch ``i`` draws dropout bits from ``fold_in(key, i)``)."""
+    if microbatches == 1:
+        return grads_fn
+    shardings = plan.state_shardings.params
+
+    def grads(params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
+        micro = split_microbatches(batch, microbatches, plan)
+        zeros = plan.constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), shardings)
+
+        def body(carry: tuple[Any, Any, Any], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, Any, Any], None]:
+            grad_sum, loss_sum, count_sum = carry
+            mb, i = xs
+            value, count, g = grads_fn(params, mb, jax.random.fold_in(key, i))
+            grad_sum = plan.constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g), shardings)
+            return (grad_sum, loss_sum + value, count_sum + count), None
+
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
+        return loss_sum / microbatches, count, jax.tree.map(lambda g: g / microbatches, grad_sum)
+
+    return grads
+
+
+def pipelined_grads(
+    model: Model, loss: LossFn, precision: Precision, schedule: Schedule, plan: ShardingPlan
+) -> GradsFn:
+    """Mean loss and gradients over the microbatches, the layers pipelined over ``stage``.
+
+    Microbatch ``i`` draws dropout bits from ``fold_in(key, i)``, as gradient accumulation
+    does, so a pipelined step equals an accumulated one bit for bit in what it draws.
+    """
+    stages = model.stages
+    assert stages is not None, "the trainer checks that the model has stages"
+    p, m = schedule.stages * schedule.virtual_stages, schedule.microbatches  # p: virtual stages
+    per_stage = stages.n_layers // p
+
+    def grads(params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
+        micro = split_microbatches(batch, m, plan)
+        micro[_KEY] = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(key, i)))(jnp.arange(m))
+        layer_params = params[stages.layers]
+        shared = {k: v for k, v in params.items() if k != stages.layers}
+
+        def stage_loss(lp: Any, sp: Any, x_in: jax.Array, mb: Batch, stage: jax.Array, i: jax.Array) -> Any:
+            mb = dict(mb)
+            mb_key = jax.random.wrap_key_data(mb.pop(_KEY))
+            full = precision.cast_for_compute({**sp, stages.layers: lp})
+            held: dict[str, jax.Array] = {}
+
+            def forward(inputs: Any) -> Any:
+                x = jnp.where(stage == 0, stages.embed(full, inputs, mb_key), x_in)
+                held["x"], held["aux"] = stages.body(full, x, mb_key, stage * per_stage)
+                return stages.head(full, held["x"])
+
+            value, count = loss(forward, mb)
+            return held["x"], jnp.where(stage == p - 1, value, 0.0) + held["aux"], count
+
+        def entering(params: Params, mb: Batch) -> jax.Array:
+            full, held = precision.cast_for_compute(params), {}
+
+            def forward(inputs: Any) -> Any:
+                held["x"] = stages.embed(full, inputs, None)
+                return stages.head(full, held["x"])
+
+            loss(forward, mb)
+            return held["x"]
+
+        first = {k: v[0] for k, v in micro.items() if k != _KEY}
+        boundary = jax.eval_shape(entering, params, first)
+        value, count, g_layers, g_shared = pipeline_value_and_grad(
+            stage_loss, layer_params, shared, micro, boundary, schedule, plan.mesh
+        )
+        return value, count, {**g_shared, stages.layers: g_layers}
+
+    return grads
+
+
+def make_step(
+    grads_fn: GradsFn, optimizer: optax.GradientTransformation, precision: Precision, nonfinite: str | None
+) -> StepFn:
+    """``step(state, batch) -> (state, metrics)``: gradients, the optimizer update (on the master
+    copy under ``bf16-master``), and with a ``nonfinite`` policy the guard that leaves the state
+    as it was when the loss or a gradient is not finite.
+
+    Returns metrics ``loss``, ``grad_norm``, ``tokens`` (plus ``finite`` and ``finite_grads``
+    under a policy).
+    """
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        loss, count, grads = grads_fn(state.params, batch, key)
+        target = state.master if state.master is not None else state.params
+        grads = jax.tree.map(lambda g, t: g.astype(t.dtype), grads, target)
+        updates, opt_state = optimizer.update(grads, state.opt_state, target)
+        updated = optax.apply_updates(target, updates)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count}
+        if state.master is not None:
+            new = state.replace(params=precision.cast_for_storage(updated), master=updated)
+        else:
+            new = state.replace(params=updated)
+        new = new.replace(step=state.step + 1, opt_state=opt_state)
+        if nonfinite is not None:
+            finite_grads = jax.tree.map(lambda g: jnp.all(jnp.isfinite(g)), grads)
+            finite = jnp.isfinite(loss) & jnp.all(jnp.stack(jax.tree.leaves(finite_grads)))
+            new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)  # nothing applied
+            metrics |= {"finite": finite, "finite_grads": finite_grads}
+        return new, metrics
+
+    return step
