@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 from jax.sharding import Mesh
 
+from shardkit.errors import ShardkitError
+
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 _INSTRUCTION = re.compile(
@@ -198,6 +200,13 @@ def collectives(hlo_text: str) -> list[Collective]:
 
 
 _DOT = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\S+)\s+dot\(%(?P<lhs>[\w.\-]+),")
+# GPU backends rewrite matmuls into library calls: cuBLAS (``__cublas$gemm``, ``__cublas$lt$matmul``)
+# and hipBLAS; their dimension numbers sit in the backend config.
+_GEMM_CALL = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+custom-call\(%(?P<lhs>[\w.\-]+),"
+    r'.*custom_call_target="(?P<target>__cublas\$gemm|__cublas\$lt\$matmul\w*|__hipblas\$gemm\w*|__hipblaslt\$\w*)"'
+)
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[(?P<dims>[^\]]*)\]')
 _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>[a-z0-9]+\[[\d,]*\])")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
 
@@ -207,30 +216,51 @@ def _dims(shape: str) -> list[int]:
     return [int(x) for x in m["dims"].split(",") if x] if m else []
 
 
-def dot_flops(hlo_text: str) -> float:
-    """FLOPs of every matmul (``dot``) one execution of the module runs on one device.
+class HloFormatError(ShardkitError):
+    """The compiled program's text is not in a form this parser recognises (so its figures would
+    be wrong, not zero)."""
 
-    ``2 * prod(result dims) * prod(contracted dims)`` per dot, times the trip counts of the loops
-    around it. XLA's own ``cost_analysis()`` counts a while-loop body once, which undercounts a
-    scanned layer stack by the number of layers; this does not.
+
+def dot_flops(hlo_text: str) -> float:
+    """FLOPs of every matmul one execution of the module runs on one device.
+
+    ``2 * prod(result dims) * prod(contracted dims)`` per ``dot`` and per GPU library matmul
+    (``__cublas$gemm`` and kin, whose dimension numbers are in the backend config), times the
+    trip counts of the loops around it. XLA's own ``cost_analysis()`` counts a while-loop body
+    once, which undercounts a scanned layer stack by the number of layers; this does not.
+
+    Raises:
+      HloFormatError: when the text has matmuls or loops but none is understood (a changed
+        text format), instead of returning a silent 0 or counting loops once.
     """
     lines = hlo_text.splitlines()
     runs = _executions(lines)
     shapes: dict[str, list[int]] = {}
-    total, current = 0.0, ""
+    total, current, seen_computation, matmuls = 0.0, "", False, 0
     for line in lines:
         if c := _COMPUTATION.match(line):
-            current, shapes = c["name"], {}
+            current, shapes, seen_computation = c["name"], {}, True
             continue
         if d := _DEFINITION.match(line):
             shapes[d["name"]] = _dims(d["shape"])
-        if m := _DOT.match(line):
-            lhs = shapes.get(m["lhs"])
-            contracting = _CONTRACTING.search(line)
-            if lhs is None or contracting is None:
-                continue
-            k = math.prod(lhs[int(i)] for i in contracting["dims"].split(",") if i)
-            total += 2.0 * math.prod(_dims(m["shape"])) * k * runs.get(current, 1)
+        m = _DOT.match(line)
+        contracting = _CONTRACTING.search(line) if m else None
+        if m is None and (m := _GEMM_CALL.match(line)):
+            contracting = _GEMM_CONTRACTING.search(line)
+        if m is None:
+            continue
+        lhs = shapes.get(m["lhs"])
+        if lhs is None or contracting is None:
+            continue
+        k = math.prod(lhs[int(i.strip().strip('"'))] for i in contracting["dims"].split(",") if i.strip())
+        total += 2.0 * math.prod(_dims(m["shape"])) * k * runs.get(current, 1)
+        matmuls += 1
+    if not seen_computation and lines:
+        raise HloFormatError("No HLO computation found in the text: is it compiled.as_text() of an XLA module?")
+    if not matmuls and (" dot(" in hlo_text or "__cublas" in hlo_text or "__hipblas" in hlo_text):
+        raise HloFormatError("The program has matmuls, but none could be read (has XLA's HLO text format changed?).")
+    if " while(" in hlo_text and "known_trip_count" not in hlo_text:
+        raise HloFormatError("The program has loops, but no trip count could be read: loop bodies would count once.")
     return total
 
 

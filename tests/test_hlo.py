@@ -1,6 +1,7 @@
 """The compiled step's collectives match the layout (counted in the HLO, not inferred from outputs)."""
 
 import collections
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -97,3 +98,43 @@ def test_replica_group_spellings(line, groups):
     (c,) = hlo.collectives(line)
     assert c.groups == groups
     assert c.payload_bytes == 16
+
+
+# -- the compiled-program parser on stored programs (tests/fixtures) -----------------------------
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+
+
+def test_dot_flops_of_a_stored_cpu_program_counts_every_loop_trip():
+    # 3 scanned layers of (16, 64) @ (64, 64); saved from the CPU backend of jax 0.10.2.
+    text = (FIXTURES / "cpu_scan_matmul.hlo").read_text()
+    assert hlo.dot_flops(text) == 3 * 2 * 16 * 64 * 64
+
+
+def test_dot_flops_counts_gpu_library_matmuls():
+    # A GPU-style program: a cuBLAS gemm in a 4-trip loop and a cuBLASLt matmul outside it.
+    text = (FIXTURES / "gpu_cublas_gemm.hlo").read_text()
+    assert hlo.dot_flops(text) == 4 * 2 * 32 * 512 * 256 + 2 * 32 * 512 * 256
+    (ar,) = hlo.collectives(text)
+    assert ar.kind == "all-reduce" and ar.executions == 4 and ar.payload_bytes == 32 * 512 * 4
+
+
+def test_dot_flops_agrees_with_xla_cost_analysis_where_there_is_no_loop():
+    def f(a, b, c):
+        return (a @ b) @ c
+
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((32, 64), (64, 128), (128, 16))]
+    compiled = jax.jit(f).lower(*shapes).compile()
+    want = 2 * 32 * 64 * 128 + 2 * 32 * 128 * 16
+    assert hlo.dot_flops(compiled.as_text()) == want
+    assert compiled.cost_analysis()["flops"] == pytest.approx(want, rel=0.01)
+
+
+def test_unrecognised_text_is_an_error_not_zero():
+    with pytest.raises(hlo.HloFormatError, match="No HLO computation"):
+        hlo.dot_flops("this is not HLO\nat all")
+    text = (FIXTURES / "cpu_scan_matmul.hlo").read_text()
+    with pytest.raises(hlo.HloFormatError, match="matmuls, but none could be read"):
+        hlo.dot_flops(text.replace("lhs_contracting_dims", "lhs_contraction"))
+    with pytest.raises(hlo.HloFormatError, match="no trip count"):
+        hlo.dot_flops(text.replace("known_trip_count", "trip"))
