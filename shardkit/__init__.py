@@ -8,21 +8,61 @@ The public API, all of it re-exported here::
                          optax.adamw(1e-3), layout="data=2,fsdp=2,tensor=2")
 """
 
-from shardkit import checkpoint, distributed, hardware, hlo, models, parallel, report, rules
-from shardkit.checkpoint import Checkpointer
-from shardkit.data import TextDataset, builtin_corpus, load_text
-from shardkit.devices import simulate_devices
-from shardkit.dryrun import DryRunConfig, dryrun
-from shardkit.errors import ShardkitError
-from shardkit.hardware import Hardware
-from shardkit.mesh import MESH_AXES, Layout
-from shardkit.model import Model, annotate, from_functions, from_linen, from_nnx
-from shardkit.partition import Axes, constrain, logical, use_sharding
-from shardkit.plan import PlanOptions, plan
-from shardkit.precision import Precision
-from shardkit.report import Report
-from shardkit.rules import LOGICAL_AXES, Rules, default_rules
-from shardkit.train import NonFiniteError, Trainer, TrainState, mse_loss, next_token_loss
+import importlib
+from typing import Any
+
+# Names resolve on first use (PEP 562), so `import shardkit` and `shardkit --help` do not start
+# JAX, and sk.simulate_devices(n) can still come first.
+_SUBMODULES = ("checkpoint", "distributed", "hardware", "hlo", "models", "parallel", "report", "rules")
+_WHERE = {
+    "Checkpointer": "checkpoint",
+    "TextDataset": "data",
+    "builtin_corpus": "data",
+    "load_text": "data",
+    "simulate_devices": "devices",
+    "DryRunConfig": "dryrun",
+    "dryrun": "dryrun",
+    "ShardkitError": "errors",
+    "Hardware": "hardware",
+    "MESH_AXES": "mesh",
+    "Layout": "mesh",
+    "Model": "model",
+    "annotate": "model",
+    "from_functions": "model",
+    "from_linen": "model",
+    "from_nnx": "model",
+    "Axes": "partition",
+    "constrain": "partition",
+    "logical": "partition",
+    "use_sharding": "partition",
+    "PlanOptions": "plan",
+    "plan": "plan",
+    "Precision": "precision",
+    "Report": "report",
+    "LOGICAL_AXES": "rules",
+    "Rules": "rules",
+    "default_rules": "rules",
+    "NonFiniteError": "train",
+    "Trainer": "train",
+    "TrainState": "train",
+    "mse_loss": "train",
+    "next_token_loss": "train",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"shardkit.{name}")
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f"shardkit.{_WHERE[name]}"), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __version__ = "0.1.0"
 

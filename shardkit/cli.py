@@ -10,6 +10,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from shardkit import __version__
+from shardkit.config import OPTIMIZER_NAMES, PRECISION_NAMES, TrainConfig
 from shardkit.parallel.schedule import SCHEDULES
 
 DEFAULT_SIMULATED_DEVICES = 8
@@ -33,8 +35,6 @@ def _simulate_exactly(n: int) -> None:
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
-    from shardkit.run import OPTIMIZERS, TrainConfig
-
     d = TrainConfig()
     p = sub.add_parser("train", help="train the reference GPT on text (built-in corpus by default)")
     p.add_argument("--layout", default=d.layout, help=f"mesh axis sizes (default {d.layout}); -1 fills the rest")
@@ -43,7 +43,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=d.batch, help="global batch size (sequences per step)")
     p.add_argument("--seq", type=int, default=d.seq, help="sequence length")
     p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=d.optimizer)
+    p.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default=d.optimizer)
     p.add_argument("--dropout", type=float, default=d.dropout)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--data", default=None, help="a text file (or directory of *.txt) instead of the built-in corpus")
@@ -56,7 +56,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_SIMULATED_DEVICES,
         help="simulated CPU devices when no GPU is present (default 8)",
     )
-    p.add_argument("--precision", default=d.precision, help="fp32, bf16 or bf16-master")
+    p.add_argument("--precision", choices=PRECISION_NAMES, default=d.precision, help="mixed-precision policy")
     p.add_argument(
         "--microbatches",
         type=int,
@@ -82,15 +82,13 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 
 def _plan_arguments(p: argparse.ArgumentParser, default_layout: str) -> None:
     """Flags shared by `dryrun` and `inspect`: a model, a layout and the batch shape."""
-    from shardkit.precision import POLICIES
-
     p.add_argument(
         "--model", default="llama2-7b", help="GPT preset, or your own model factory as package.module:function"
     )
     p.add_argument("--layout", default=default_layout)
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's max_seq)")
-    p.add_argument("--precision", choices=sorted(POLICIES), default="fp32")
+    p.add_argument("--precision", choices=PRECISION_NAMES, default="fp32")
     p.add_argument("--microbatches", type=int, default=1, help="accumulation steps, or pipeline microbatches")
     p.add_argument("--schedule", choices=SCHEDULES, default=None, help="pipeline schedule (stage>1; default 1f1b)")
     p.add_argument("--virtual-stages", type=int, default=1, help="interleaved stages per device")
@@ -135,8 +133,10 @@ def _inspect(args: argparse.Namespace) -> None:
         print("no warnings")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's flags; building it imports no JAX (``shardkit --help`` answers at once)."""
     parser = argparse.ArgumentParser(prog="shardkit", description="Train Flax models with JAX SPMD sharding.")
+    parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     dry = sub.add_parser("dryrun", help="compile a train step for N simulated devices; print memory and collectives")
@@ -166,7 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     lau.add_argument("--nproc", type=int, required=True, help="number of processes")
     lau.add_argument("--devices-per-proc", type=int, default=None, help="simulated CPU devices per process")
     lau.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND ...")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     from shardkit.errors import ShardkitError
 
@@ -181,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if distributed.initialize() is None:  # joins the other processes when launched as several
                 _use_simulated_devices_if_no_accelerator(args.devices)
-            from shardkit.run import TrainConfig, train
+            from shardkit.run import train
 
             cfg = TrainConfig(
                 model=args.model,

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import pathlib
@@ -20,51 +19,12 @@ import numpy as np
 import optax
 
 from shardkit.checkpoint import Checkpointer
+from shardkit.config import OPTIMIZER_NAMES, TrainConfig
 from shardkit.data import TextDataset, load_text
 from shardkit.errors import ShardkitError
 from shardkit.generate import generate
 from shardkit.models.gpt import GPTConfig
 from shardkit.train import Trainer
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Every knob of the main job (the CLI flags of ``shardkit train``)."""
-
-    model: str = "mini"
-    layout: str = "data=2,fsdp=2,tensor=2"
-    steps: int = 500
-    batch: int = 16
-    seq: int = 128
-    lr: float = 3e-3
-    warmup: int = 20
-    weight_decay: float = 0.1
-    optimizer: str = "adamw"
-    dropout: float = 0.0
-    seed: int = 0
-    data: str | None = None
-    json_log: str | None = None
-    precision: str = "fp32"
-    microbatches: int = 1
-    remat: str = "none"
-    nonfinite: str = "skip"
-    sequence_parallel: bool = False
-    schedule: str | None = None  # pipeline schedule with stage > 1 (default 1f1b)
-    virtual_stages: int = 1  # interleaved pipeline stages: chunks of layers per device
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 3
-    sample_tokens: int = 200
-    prompt: str = "def "
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch", "seq"):
-            if getattr(self, name) < 1:
-                raise ShardkitError(f"--{name} must be at least 1, got {getattr(self, name)}.")
-        if self.lr <= 0:
-            raise ShardkitError(f"--lr must be positive, got {self.lr}.")
-        if self.optimizer not in OPTIMIZERS:
-            raise ShardkitError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
 
 
 def _schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -78,6 +38,7 @@ OPTIMIZERS: dict[str, Callable[[TrainConfig], optax.GradientTransformation]] = {
     ),
     "sgd": lambda c: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(_schedule(c), momentum=0.9)),
 }
+assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "config.OPTIMIZER_NAMES lists the optimizers the CLI offers"
 
 
 class Progress:

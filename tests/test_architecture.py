@@ -9,7 +9,19 @@ PACKAGE = pathlib.Path(__file__).parent.parent / "shardkit"
 
 # docs/architecture.md, "Layers".
 LAYERS = {
-    0: {"errors", "devices", "mesh", "rules", "hlo", "hardware", "precision", "data", "distributed", "launch"},
+    0: {
+        "errors",
+        "config",
+        "devices",
+        "mesh",
+        "rules",
+        "hlo",
+        "hardware",
+        "precision",
+        "data",
+        "distributed",
+        "launch",
+    },
     1: {
         "partition",
         "boundaries",

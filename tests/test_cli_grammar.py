@@ -1,0 +1,38 @@
+"""The command line answers at once, says its version, and refuses bad numbers before any work."""
+
+import subprocess
+import sys
+
+import pytest
+
+from shardkit.config import TrainConfig
+
+SUBCOMMANDS = ("train", "dryrun", "inspect", "plan", "launch")
+
+
+def test_building_the_parser_starts_no_jax():
+    code = (
+        "import sys; from shardkit.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_subcommand_has_help(command):
+    proc = subprocess.run([sys.executable, "-m", "shardkit.cli", command, "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and f"shardkit {command}" in proc.stdout
+
+
+def test_version():
+    proc = subprocess.run([sys.executable, "-m", "shardkit.cli", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("shardkit ")
+
+
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), 0.0, -1e-3])
+def test_learning_rate_must_be_finite_and_positive(lr):
+    import shardkit as sk
+
+    with pytest.raises(sk.ShardkitError, match="finite positive"):
+        TrainConfig(lr=lr)
