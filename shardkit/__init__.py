@@ -8,12 +8,22 @@ The public API, all of it re-exported here::
                          optax.adamw(1e-3), layout="data=2,fsdp=2,tensor=2")
 """
 
-import importlib
-from typing import Any
+from shardkit._lazy import install
 
 # Names resolve on first use (PEP 562), so `import shardkit` and `shardkit --help` do not start
 # JAX, and sk.simulate_devices(n) can still come first.
-_SUBMODULES = ("checkpoint", "distributed", "hardware", "hlo", "models", "parallel", "report", "rules")
+_SUBMODULES = (
+    "checkpoint",
+    "distributed",
+    "hardware",
+    "hlo",
+    "models",
+    "parallel",
+    "report",
+    "rules",
+    "sharding",
+    "steps",
+)
 _WHERE = {
     "Checkpointer": "checkpoint",
     "TextDataset": "data",
@@ -50,19 +60,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return importlib.import_module(f"shardkit.{name}")
-    if name in _WHERE:
-        value = getattr(importlib.import_module(f"shardkit.{_WHERE[name]}"), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
-
+__getattr__, __dir__ = install(__name__, _WHERE, _SUBMODULES)
 
 __version__ = "0.1.0"
 
@@ -105,6 +103,8 @@ __all__ = [
     "plan",
     "report",
     "rules",
+    "sharding",
     "simulate_devices",
+    "steps",
     "use_sharding",
 ]

@@ -10,6 +10,7 @@ PACKAGE = pathlib.Path(__file__).parent.parent / "shardkit"
 # docs/architecture.md, "Layers".
 LAYERS = {
     0: {
+        "_lazy",
         "errors",
         "config",
         "devices",

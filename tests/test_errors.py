@@ -207,7 +207,7 @@ def test_training_settings_errors():
         sk.Trainer(gpt(), optax.sgd(0.1), "data=8", microbatches=0)
     from shardkit.run import TrainConfig
 
-    with pytest.raises(sk.ShardkitError, match="--lr must be positive"):
+    with pytest.raises(sk.ShardkitError, match="--lr must be a finite positive number"):
         TrainConfig(lr=0.0)
     with pytest.raises(sk.ShardkitError, match="--optimizer 'lion' is not one of"):
         TrainConfig(optimizer="lion")

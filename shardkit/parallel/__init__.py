@@ -1,7 +1,6 @@
 """What GSPMD annotations alone cannot express: explicit communication inside the step."""
 
-import importlib
-from typing import Any
+from shardkit._lazy import install
 
 _WHERE = {
     "MoE": "experts",
@@ -14,8 +13,5 @@ _WHERE = {
 
 __all__ = ["MoE", "Schedule", "make_schedule", "pipeline_value_and_grad", "ring_attention", "route"]
 
-
-def __getattr__(name: str) -> Any:  # lazy (PEP 562): importing the schedules alone starts no JAX
-    if name in _WHERE:
-        return getattr(importlib.import_module(f"shardkit.parallel.{_WHERE[name]}"), name)
-    raise AttributeError(f"module 'shardkit.parallel' has no attribute {name!r}")
+# Lazy (PEP 562): importing the schedules alone starts no JAX.
+__getattr__, __dir__ = install(__name__, _WHERE, ("experts", "pipeline", "schedule"))
