@@ -136,7 +136,7 @@ def nnx_boundaries(module: nnx.Module) -> Iterator[None]:
     """
     paths: dict[int, str] = {}
     for path, sub in nnx.iter_modules(module):
-        if path and type(sub).__call__ is not object.__call__:
+        if path and callable(sub):  # containers such as nnx.List are never called
             sub.__class__ = _bounded_class(type(sub))
             paths[id(sub)] = "/".join(str(p) for p in path)
     token = _PATHS.set(paths)
