@@ -43,7 +43,8 @@ class NonFiniteError(ShardkitError):
     Attributes:
       state: the train state as it was before the step (nothing was applied).
       step: the number of the step that failed (1-based: ``state.step + 1``).
-      parameter: path of the first parameter whose gradient was not finite, or None.
+      parameter: path of the first parameter whose gradient (or, failing that, whose update)
+        was not finite, or None.
     """
 
     def __init__(self, message: str, state: TrainState, step: int, parameter: str | None):
@@ -93,15 +94,17 @@ def halted(state: TrainState, metrics: dict[str, jax.Array]) -> NonFiniteError:
     whose gradient was not finite, and the state as it was before the step."""
     step = int(state.step) + 1
     bad = [path_str(p) for p, ok in jax.tree_util.tree_flatten_with_path(metrics["finite_grads"])[0] if not ok]
+    updated = [path_str(p) for p, ok in jax.tree_util.tree_flatten_with_path(metrics["finite_params"])[0] if not ok]
     return NonFiniteError(
         f"Step {step}: loss {float(metrics['loss'])}"
         + (f", first non-finite gradient: {bad[0]} ({len(bad)} parameters in all)" if bad else "")
+        + (f", first parameter the update made non-finite: {updated[0]}" if updated and not bad else "")
         + ". The step was not applied; the state in this error (.state) is the one before it. "
         "Lower the learning rate, check the batch for bad values, or use nonfinite='skip' to "
         "skip such steps.",
         state,
         step,
-        bad[0] if bad else None,
+        bad[0] if bad else (updated[0] if updated else None),
     )
 
 
@@ -214,10 +217,10 @@ def make_step(
 ) -> StepFn:
     """``step(state, batch) -> (state, metrics)``: gradients, the optimizer update (on the master
     copy under ``bf16-master``), and with a ``nonfinite`` policy the guard that leaves the state
-    as it was when the loss or a gradient is not finite.
+    as it was when the loss, a gradient or an updated parameter is not finite.
 
-    Returns metrics ``loss``, ``grad_norm``, ``tokens`` (plus ``finite`` and ``finite_grads``
-    under a policy).
+    Returns metrics ``loss``, ``grad_norm``, ``tokens`` (plus ``finite``, ``finite_grads`` and
+    ``finite_params`` under a policy).
     """
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -235,9 +238,16 @@ def make_step(
         new = new.replace(step=state.step + 1, opt_state=opt_state)
         if nonfinite is not None:
             finite_grads = jax.tree.map(lambda g: jnp.all(jnp.isfinite(g)), grads)
-            finite = jnp.isfinite(loss) & jnp.all(jnp.stack(jax.tree.leaves(finite_grads)))
+            # The new parameters too: finite gradients can still give an overflowing update (a
+            # huge learning rate, an optimizer dividing by a vanishing second moment).
+            finite_params = jax.tree.map(lambda p: jnp.all(jnp.isfinite(p)), updated)
+            finite = (
+                jnp.isfinite(loss)
+                & jnp.all(jnp.stack(jax.tree.leaves(finite_grads)))
+                & jnp.all(jnp.stack(jax.tree.leaves(finite_params)))
+            )
             new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)  # nothing applied
-            metrics |= {"finite": finite, "finite_grads": finite_grads}
+            metrics |= {"finite": finite, "finite_grads": finite_grads, "finite_params": finite_params}
         return new, metrics
 
     return step

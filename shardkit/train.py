@@ -271,7 +271,7 @@ class Trainer:
           batch: global arrays from :meth:`shard_batch` (e.g. ``{"tokens": (B, T + 1) int32}``).
 
         Returns:
-          ``(new_state, {"loss", "grad_norm", "tokens"})`` (plus ``finite`` and ``finite_grads``
+          ``(new_state, {"loss", "grad_norm", "tokens"})`` (plus ``finite``, ``finite_grads`` and ``finite_params``
           with a ``nonfinite`` policy).
 
         Raises:

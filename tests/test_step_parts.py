@@ -74,3 +74,15 @@ def test_make_step_applies_the_optimizer_and_the_guard_refuses_nan():
     same, metrics = jax.jit(step)(state, {"tokens": bad})
     assert not bool(metrics["finite"])
     assert_trees_close(same.params, params, rtol=0, atol=0)
+
+
+def test_the_guard_refuses_an_update_that_overflows_though_gradients_are_finite():
+    # Every setting finite, the update not: sign(g) * 3e38 * 2 overflows float32.
+    overflowing = optax.chain(optax.scale_by_sign(), optax.scale(-3e38), optax.scale(2.0))
+    trainer = sk.Trainer(CFG.model(), overflowing, "data=8", nonfinite="halt")
+    state = trainer.init(0)
+    before = jax.device_get(state.params)
+    with pytest.raises(sk.NonFiniteError, match="first parameter the update made non-finite") as err:
+        trainer.step(state, trainer.shard_batch({"tokens": TOKENS}))
+    assert err.value.parameter and err.value.step == 1
+    assert_trees_close(jax.device_get(err.value.state.params), before, rtol=0, atol=0)
