@@ -100,7 +100,12 @@ def _factory_trainer(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> 
             f"{', '.join(changed)} change shardkit's GPT presets only; model {label} is built by its factory. "
             "Fix: drop them, and set remat or the depth in your factory."
         )
-    model = build_model(factory or load_factory(label), label)
+    return _trainer_and_batch(build_model(factory or load_factory(label), label), cfg, cfg.seq)
+
+
+def _trainer_and_batch(model: Model, cfg: DryRunConfig, seq: int) -> tuple[Trainer, dict[str, Any]]:
+    """The configuration's trainer for ``model`` (AdamW: the state a real run holds) and its
+    abstract ``(batch, seq + 1)`` token batch."""
     trainer = Trainer(
         model,
         optax.adamw(1e-4),
@@ -110,7 +115,7 @@ def _factory_trainer(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> 
         schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages,
     )
-    return trainer, {"tokens": jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32)}
+    return trainer, {"tokens": jax.ShapeDtypeStruct((cfg.batch, seq + 1), jnp.int32)}
 
 
 def trainer_for(
@@ -127,16 +132,7 @@ def trainer_for(
     seq = cfg.seq or gpt.max_seq
     if seq > gpt.max_seq:
         raise ShardkitError(f"--seq {seq} exceeds the {cfg.model} model's max_seq={gpt.max_seq}.")
-    trainer = Trainer(
-        gpt.model(name=f"GPT-{cfg.model}"),
-        optax.adamw(1e-4),
-        cfg.layout,
-        precision=cfg.precision,
-        microbatches=cfg.microbatches,
-        schedule=cfg.schedule,
-        virtual_stages=cfg.virtual_stages,
-    )
-    return trainer, {"tokens": jax.ShapeDtypeStruct((cfg.batch, seq + 1), jnp.int32)}
+    return _trainer_and_batch(gpt.model(name=f"GPT-{cfg.model}"), cfg, seq)
 
 
 def _in_process(cfg: DryRunConfig, factory: Callable[[], Model] | None = None) -> dict[str, Any]:
