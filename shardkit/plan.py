@@ -158,6 +158,7 @@ class ModelFacts:
     gpt: GPTConfig | None = None
     model: Model | None = None
     fingerprint: str = ""
+    abstract_params: Any = None  # the model's parameter shapes, evaluated once
 
     @classmethod
     def of_preset(cls, name: str) -> ModelFacts:
@@ -183,6 +184,7 @@ class ModelFacts:
             can_pipeline=model.stages is not None,
             model=model,
             fingerprint=hashlib.sha256(raw.encode()).hexdigest()[:16],
+            abstract_params=abstract,
         )
 
     def divides(self, shape: dict[str, int]) -> bool:
@@ -193,7 +195,7 @@ class ModelFacts:
             return not (g.n_kv_heads % t or g.n_heads % t or g.mlp_dim % t or g.vocab % t or g.dim % f)
         assert self.model is not None
         try:
-            specs_for(self.model.axes, self.model.abstract_params(), default_rules(), shape)
+            specs_for(self.model.axes, self.abstract_params, default_rules(), shape)
         except ShardkitError:
             return False
         return True

@@ -150,9 +150,10 @@ class Trainer:
             allow_replicate=allow_replicate,
             devices=devices,
         )
-        self.mesh, self.rules, self.fallbacks = self.plan.mesh, rules, list(self.plan.fallbacks)
+        self.mesh, self.rules = self.plan.mesh, self.plan.rules
         self.abstract_params, self.param_specs = self.plan.abstract_params, self.plan.param_specs
         self.state_specs, self.state_shardings = self.plan.state_specs, self.plan.state_shardings
+        self.fallbacks = list(self.plan.fallbacks)
         if self.schedule is not None:
             grads = pipelined_grads(model, loss, self.precision, self.schedule, self.plan)
         else:
