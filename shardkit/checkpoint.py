@@ -1,37 +1,90 @@
-"""Checkpoints with orbax-checkpoint: asynchronous, atomic, the last K kept, restored onto any layout.
+"""Checkpoints with orbax-checkpoint: asynchronous, atomic, verified, restored onto any layout.
 
 A checkpoint holds the whole train state (parameters, optimizer state, master weights, step,
-random key) and a small JSON record: the data position and a fingerprint of the model (every
-parameter's path, shape and dtype). Orbax writes each checkpoint into a temporary directory
-and renames it when complete, so a process killed mid-save leaves the previous checkpoints
-intact and the partial one invisible. Restoring reads each array straight into the shardings
-of the trainer it is given: save under ``fsdp=8``, restore under ``data=2,tensor=4`` or on
-another device count.
+random key) and a JSON record:
+
+- the data position (where the data stream resumes);
+- fingerprints: every state array's path, shape and dtype, and the run's settings that a
+  resume must keep (seed, data, batch shape; schedule and total steps), so a mismatch is named;
+- a layout-independent checksum per array (:mod:`shardkit.checksums`), verified on restore.
+
+Once a save is complete on disk, a crc32 of each of its files is added next to it. Orbax writes
+each checkpoint into a temporary directory and renames it when complete, so a process killed
+mid-save leaves the previous checkpoints intact and the partial one invisible.
+
+Restoring reads each array straight into the shardings of the trainer it is given (save under
+``fsdp=8``, restore under ``data=2,tensor=4`` or on another device count) and checks it. With no
+step named, the newest checkpoint that verifies is restored and each newer one that does not is
+named in a warning: a damaged checkpoint never stops a resume while a good one exists, and no
+message advises deleting a checkpoint that verifies.
+
+Before the first save the directory is checked (writable, room for a checkpoint) and locked
+(:mod:`shardkit.dirlock`), so a bad directory fails before any step is computed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import pathlib
+import shutil
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from shardkit.checksums import array_checksums, file_digests
+from shardkit.dirlock import DirectoryLock
 from shardkit.errors import ShardkitError
 from shardkit.partition import path_str
 from shardkit.train import Trainer, TrainState
 
-_FORMAT = 1
+_FORMAT = 2
+MANIFEST = "shardkit_files.json"
+_TMP_MARK = ".orbax-checkpoint-tmp"
+_ROOM_FACTOR = 1.2  # a save needs the state's bytes, plus metadata and some slack
+
+
+class CheckpointDamaged(ShardkitError):
+    """A checkpoint's files or arrays do not match what was written (``.step``, ``.reason``)."""
+
+    def __init__(self, message: str, step: int, reason: str):
+        super().__init__(message)
+        self.step, self.reason = step, reason
+
+
+def _shapes(tree: Any) -> dict[str, list[Any]]:
+    return {
+        path_str(p): [list(leaf.shape), str(np.dtype(leaf.dtype))]
+        for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
 
 
 def fingerprint(trainer: Trainer) -> dict[str, list[Any]]:
     """``{parameter path: [shape, dtype]}`` of the trainer's stored parameters."""
-    params = trainer.abstract_state().params
-    return {
-        path_str(p): [list(leaf.shape), str(np.dtype(leaf.dtype))]
-        for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
+    return _shapes(trainer.abstract_state().params)
+
+
+def state_fingerprint(trainer: Trainer) -> dict[str, list[Any]]:
+    """``{path: [shape, dtype]}`` of every array of the train state (optimizer state included)."""
+    return _shapes(trainer.abstract_state())
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost OS error of a chain (what the user can act on), else the error itself."""
+    seen, e = set(), error
+    found: BaseException = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            found = e
+        e = e.__cause__ or e.__context__
+    text = str(found).splitlines()[0][:200] if str(found) else ""
+    return f"{type(found).__name__}: {text}"
 
 
 class Checkpointer:
@@ -48,8 +101,9 @@ class Checkpointer:
 
     Example:
       >>> ckpt = Checkpointer("/tmp/run1", every=100, keep=3)           # doctest: +SKIP
-      >>> ckpt.save(state, data_position=step)                          # doctest: +SKIP
-      >>> state, record = ckpt.restore(trainer)   # newest, onto trainer's layout  # doctest: +SKIP
+      >>> ckpt.prepare(trainer)  # writable, room, lock: before step 1  # doctest: +SKIP
+      >>> ckpt.save(trainer, state, data_position=step)                 # doctest: +SKIP
+      >>> state, record = ckpt.restore(trainer)   # newest verified, onto trainer's layout  # doctest: +SKIP
     """
 
     def __init__(self, directory: str | pathlib.Path, *, every: int = 0, keep: int = 3, async_save: bool = True):
@@ -63,6 +117,10 @@ class Checkpointer:
         self.every = every
         self._options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
         self._opened: ocp.CheckpointManager | None = None
+        self._lock = DirectoryLock(self.directory)
+        self._prepared = False
+        self._unlisted: list[int] = []  # saved steps whose file digests are not yet written
+        self.warnings: list[str] = []  # what the last restore skipped, and why
 
     @property
     def _manager(self) -> ocp.CheckpointManager:
@@ -74,20 +132,74 @@ class Checkpointer:
             self._opened = ocp.CheckpointManager(self.directory, options=self._options)
         return self._opened
 
+    # -- before the first step ----------------------------------------------------------------
+    def prepare(self, trainer: Trainer) -> None:
+        """Check that the directory can take a checkpoint of ``trainer``'s state and lock it.
+
+        Creates the directory, writes and removes a probe file, checks the free space against
+        the state's bytes (x1.2), takes the lock (process 0), and removes temporary directories
+        that an earlier, killed save left behind. :meth:`save` calls it once if you do not.
+
+        Raises:
+          ShardkitError: not writable, not enough room, or in use by another run.
+        """
+        if self._prepared:
+            return
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe = self.directory / f".shardkit-probe-{os.getpid()}"
+            probe.write_bytes(b"shardkit")
+            probe.unlink()
+        except OSError as e:
+            raise ShardkitError(
+                f"Checkpoint directory {self.directory} is not writable ({_root_cause(e)}). "
+                "Fix: choose a writable --checkpoint-dir, or fix its permissions or mount."
+            ) from e
+        need = _ROOM_FACTOR * sum(
+            np.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(trainer.abstract_state())
+        )
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise ShardkitError(
+                f"Checkpoint directory {self.directory} has {free / 2**20:,.1f} MiB free; a checkpoint of this "
+                f"state needs about {need / 2**20:,.1f} MiB. Fix: free space, or choose another --checkpoint-dir."
+            )
+        if jax.process_index() == 0:
+            self._lock.acquire()
+            for leftover in self.directory.glob(f"*{_TMP_MARK}*"):  # we hold the lock: nobody is writing it
+                shutil.rmtree(leftover, ignore_errors=True)
+        self._prepared = True
+
     # -- saving ---------------------------------------------------------------------------
-    def save(self, trainer: Trainer, state: TrainState, *, data_position: int, force: bool = False) -> bool:
+    def save(
+        self,
+        trainer: Trainer,
+        state: TrainState,
+        *,
+        data_position: int,
+        run: Mapping[str, Mapping[str, Any]] | None = None,
+        force: bool = False,
+    ) -> bool:
         """Start saving ``state`` if its step is due (or ``force``). Returns whether it saves.
 
         Args:
-          trainer: the trainer the state belongs to (its fingerprint is recorded).
+          trainer: the trainer the state belongs to (its fingerprints are recorded).
           state: the train state after ``state.step`` steps.
           data_position: where the data stream resumes (shardkit's datasets: the step).
+          run: the run's settings that a resume must keep, in two groups:
+            ``{"data": {"seed": 0, "batch": 16, ...}, "schedule": {"lr": 3e-3, "steps": 500, ...}}``
+            (keys are the names of the flags that set them).
           force: save whatever the step.
+
+        Raises:
+          ShardkitError: an earlier background save failed, or this one could not start; the
+            message names the cause (e.g. no space left), and the earlier checkpoints are intact.
         """
         step = int(state.step)
         if not force and (self.every == 0 or step % self.every):
             return False
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.prepare(trainer)
+        self._finish_saves()
         if step in self._manager.all_steps():
             return False  # already saved (e.g. the final step was also a periodic one)
         record = {
@@ -98,21 +210,63 @@ class Checkpointer:
             "layout": trainer.layout.spec(),
             "precision": trainer.precision.name,
             "params": fingerprint(trainer),
+            "state": state_fingerprint(trainer),
+            "run": {k: dict(v) for k, v in (run or {}).items()},
+            "checksums": array_checksums(state),
         }
-        self._manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record))
-        )
+        try:
+            self._manager.save(
+                step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record))
+            )
+        except Exception as e:  # orbax raises many kinds; the cause is what matters
+            self._failed(step, e)
+        self._unlisted.append(step)
         return True
 
-    def wait(self) -> None:
-        """Block until every started save is complete on disk."""
-        if self._opened is not None:
+    def _finish_saves(self) -> None:
+        """Wait for the background save, surface its failure, then list the files of finished saves."""
+        if self._opened is None:
+            return
+        try:
             self._opened.wait_until_finished()
+        except Exception as e:
+            self._failed(self._unlisted[-1] if self._unlisted else -1, e)
+        if jax.process_index() == 0:
+            for step in self._unlisted:
+                folder = self.directory / str(step)
+                if folder.is_dir():
+                    tmp = folder / (MANIFEST + ".tmp")
+                    tmp.write_text(json.dumps(file_digests(folder, skip=(MANIFEST, tmp.name))))
+                    tmp.replace(folder / MANIFEST)  # atomic: a manifest is whole or absent
+        self._unlisted = []
+
+    def _failed(self, step: int, error: BaseException) -> None:
+        self._unlisted = [s for s in self._unlisted if s != step]
+        for leftover in self.directory.glob(f"*{_TMP_MARK}*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            self._opened.reload()  # type: ignore[union-attr]
+        raise ShardkitError(
+            f"Saving checkpoint step {step} in {self.directory} failed ({_root_cause(error)}). The partial "
+            f"save was removed; earlier checkpoints are intact (steps {self.steps()}). Fix: free space or "
+            "make the directory writable, or choose another --checkpoint-dir; then resume."
+        ) from error
+
+    def wait(self) -> None:
+        """Block until every started save is complete on disk (raises if one failed)."""
+        self._finish_saves()
 
     def close(self) -> None:
-        if self._opened is not None:
-            self.wait()
-            self._opened.close()
+        """Finish the saves and release the directory's lock."""
+        try:
+            self._finish_saves()
+        finally:
+            if self._opened is not None:
+                with contextlib.suppress(Exception):
+                    self._opened.close()
+                self._opened = None
+            self._lock.release()
+            self._prepared = False
 
     # -- restoring ------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -132,35 +286,147 @@ class Checkpointer:
         try:
             return self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
         except Exception as e:  # orbax raises many kinds; all mean the same to the user
-            raise ShardkitError(self._unreadable(step, e)) from e
+            raise self._damaged(step, f"its record cannot be read ({_root_cause(e)})") from e
 
-    def restore(self, trainer: Trainer, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
-        """Read checkpoint ``step`` (default: newest) into ``trainer``'s shardings.
+    def restore(
+        self,
+        trainer: Trainer,
+        step: int | None = None,
+        *,
+        run: Mapping[str, Mapping[str, Any]] | None = None,
+        reset_optimizer: bool = False,
+        allow_schedule_change: bool = False,
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """Read checkpoint ``step`` (default: the newest that verifies) into ``trainer``'s shardings.
+
+        Args:
+          trainer: the layout, precision and optimizer to restore into.
+          step: a step to restore; None: the newest verified one, skipping damaged newer ones with
+            a warning (also kept in :attr:`warnings`).
+          run: this run's settings (as given to :meth:`save`), compared with the checkpoint's.
+          reset_optimizer: restore parameters, step and key only, with a fresh optimizer state
+            (to resume with another optimizer).
+          allow_schedule_change: accept different ``run["schedule"]`` settings (lr, steps, ...).
 
         Returns:
           ``(state, record)``; ``record["data_position"]`` says where to resume the data.
 
         Raises:
-          ShardkitError: no checkpoint, unknown step, a checkpoint of another model or
-            precision, or unreadable files; always before any array is read.
+          ShardkitError: no checkpoint, unknown step, a checkpoint of another model, optimizer,
+            precision or run settings (naming each difference and the flag that resolves it),
+            or no checkpoint that verifies.
+          CheckpointDamaged: the named ``step`` is damaged (its files or arrays fail their checks).
         """
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise ShardkitError(
-                    f"No complete checkpoint in {self.directory}. Train with checkpoints first, or point to the "
-                    "directory that holds them."
-                )
+        self.warnings = []
+        if step is not None:
+            self._check_step(step)
+            return self._restore_step(trainer, step, run, reset_optimizer, allow_schedule_change)
+        steps = self.steps()
+        if not steps:
+            raise ShardkitError(
+                f"No complete checkpoint in {self.directory}. Train with checkpoints first, or point to the "
+                "directory that holds them."
+            )
+        skipped: list[str] = []
+        for candidate in reversed(steps):
+            try:
+                restored = self._restore_step(trainer, candidate, run, reset_optimizer, allow_schedule_change)
+            except CheckpointDamaged as e:
+                skipped.append(f"step {e.step}: {e.reason}")
+                continue
+            if skipped:
+                self.warnings = [
+                    f"Restored checkpoint step {candidate} from {self.directory}, the newest that verifies; "
+                    f"skipped {'; '.join(skipped)}."
+                ]
+                warnings.warn(self.warnings[0], stacklevel=2)
+            return restored
+        raise ShardkitError(
+            f"No checkpoint in {self.directory} verifies: {'; '.join(skipped)}. The run cannot resume from "
+            "these files; start from a fresh --checkpoint-dir (keep these for inspection)."
+        )
+
+    def _restore_step(
+        self,
+        trainer: Trainer,
+        step: int,
+        run: Mapping[str, Mapping[str, Any]] | None,
+        reset_optimizer: bool,
+        allow_schedule_change: bool,
+    ) -> tuple[TrainState, dict[str, Any]]:
+        self._verify_files(step)
         record = self.record(step)
-        self._check_compatible(trainer, record, step)
+        self._check_compatible(trainer, record, step, reset_optimizer)
+        self._check_run(record, step, run, allow_schedule_change)
         target = trainer.abstract_state()
         try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))[
-                "state"
-            ]
+            if reset_optimizer:
+                state = self._restore_without_optimizer(trainer, step, target)
+            else:
+                args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
+                state = self._manager.restore(step, args=args)["state"]
         except Exception as e:
-            raise ShardkitError(self._unreadable(step, e)) from e
-        return restored, record
+            raise self._damaged(step, f"its arrays cannot be read ({_root_cause(e)})") from e
+        self._verify_arrays(step, record, state, skip_optimizer=reset_optimizer)
+        return state, record
+
+    def _restore_without_optimizer(self, trainer: Trainer, step: int, target: TrainState) -> TrainState:
+        part = {"step": target.step, "params": target.params, "rng": target.rng}
+        if target.master is not None:
+            part["master"] = target.master
+        restored = ocp.PyTreeCheckpointer().restore(
+            self.directory / str(step) / "state",
+            args=ocp.args.PyTreeRestore(
+                item=part, restore_args=ocp.checkpoint_utils.construct_restore_args(part), partial_restore=True
+            ),
+        )
+        master = restored.get("master")
+        fresh = jax.jit(trainer.optimizer.init, out_shardings=trainer.state_shardings.opt_state)
+        return TrainState(
+            step=restored["step"],
+            params=restored["params"],
+            opt_state=fresh(master if master is not None else restored["params"]),
+            rng=restored["rng"],
+            master=master,
+        )
+
+    # -- checks -------------------------------------------------------------------------------
+    def _damaged(self, step: int, reason: str) -> CheckpointDamaged:
+        others = [s for s in self.steps() if s != step]
+        return CheckpointDamaged(
+            f"Checkpoint step {step} in {self.directory} is damaged: {reason}. Restore another step "
+            f"(available: {others or 'none'}), or omit the step to restore the newest one that verifies.",
+            step,
+            reason,
+        )
+
+    def _verify_files(self, step: int) -> None:
+        folder = self.directory / str(step)
+        manifest = folder / MANIFEST
+        if not manifest.is_file():
+            return  # a save killed after its rename and before its digests: the array checksums still guard it
+        try:
+            expected = json.loads(manifest.read_text())
+        except (OSError, ValueError) as e:
+            raise self._damaged(step, f"its file list {MANIFEST} cannot be read ({_root_cause(e)})") from e
+        actual = file_digests(folder, skip=(MANIFEST,))
+        for name, digest in expected.items():
+            if name not in actual:
+                raise self._damaged(step, f"file {name} is missing")
+            if actual[name] != digest:
+                raise self._damaged(step, f"file {name} has crc32 {actual[name]}, written as {digest}")
+
+    def _verify_arrays(self, step: int, record: dict[str, Any], state: TrainState, skip_optimizer: bool) -> None:
+        expected = record.get("checksums")
+        if not expected:
+            return  # written by a shardkit without checksums
+        actual = array_checksums(state)
+        for path, digest in actual.items():
+            if skip_optimizer and path.startswith("opt_state"):
+                continue
+            if path in expected and expected[path] != digest:
+                reason = f"array {path} does not match its checksum ({digest}, written as {expected[path]})"
+                raise self._damaged(step, reason)
 
     def _check_step(self, step: int) -> None:
         self._manager  # noqa: B018 -- raises for a missing directory
@@ -170,29 +436,73 @@ class Checkpointer:
                 f"No complete checkpoint for step {step} in {self.directory}; available steps: {steps or 'none'}."
             )
 
-    def _check_compatible(self, trainer: Trainer, record: dict[str, Any], step: int) -> None:
+    def _check_compatible(self, trainer: Trainer, record: dict[str, Any], step: int, reset_optimizer: bool) -> None:
         saved, ours = record.get("params", {}), fingerprint(trainer)
         if saved != ours:
-            missing = sorted(set(ours) - set(saved))[:3]
-            extra = sorted(set(saved) - set(ours))[:3]
-            changed = [p for p in sorted(set(ours) & set(saved)) if ours[p] != saved[p]][:3]
-            details = []
-            if missing:
-                details.append(f"parameters not in the checkpoint: {missing}")
-            if extra:
-                details.append(f"parameters only in the checkpoint: {extra}")
-            for p in changed:
-                details.append(f"{p}: checkpoint {saved[p][0]} {saved[p][1]}, model {ours[p][0]} {ours[p][1]}")
             raise ShardkitError(
                 f"Checkpoint step {step} in {self.directory} was written by another model "
                 f"({record.get('model')}, precision {record.get('precision')}) than {trainer.model.name} "
-                f"(precision {trainer.precision.name}): " + "; ".join(details) + ". Restore it with the model "
-                "configuration it was saved from, or start from a fresh directory."
+                f"(precision {trainer.precision.name}): " + _tree_differences(saved, ours, "parameters") + ". "
+                "Restore it with the model configuration it was saved from, or start from a fresh directory."
+            )
+        saved_state = {k: v for k, v in record.get("state", {}).items() if k.startswith("opt_state")}
+        our_state = {k: v for k, v in state_fingerprint(trainer).items() if k.startswith("opt_state")}
+        if saved_state and saved_state != our_state and not reset_optimizer:
+            optimizer = record.get("run", {}).get("schedule", {}).get("optimizer")
+            raise ShardkitError(
+                f"Checkpoint step {step} in {self.directory} holds the state of another optimizer"
+                + (f" ({optimizer})" if optimizer else "")
+                + ": "
+                + _tree_differences(saved_state, our_state, "optimizer arrays")
+                + ". The checkpoint itself is fine. Fix: resume with the optimizer it was saved with"
+                + (f" (--optimizer {optimizer})" if optimizer else "")
+                + ", or keep its parameters and start a fresh optimizer state with --reset-optimizer "
+                "(API: restore(..., reset_optimizer=True))."
             )
 
-    def _unreadable(self, step: int, error: Exception) -> str:
-        return (
-            f"Checkpoint step {step} in {self.directory} cannot be read ({type(error).__name__}: "
-            f"{str(error).splitlines()[0][:200]}). The files are damaged or incomplete: delete "
-            f"{self.directory / str(step)} and restore an earlier step (available: {self.steps()})."
-        )
+    def _check_run(
+        self,
+        record: dict[str, Any],
+        step: int,
+        run: Mapping[str, Mapping[str, Any]] | None,
+        allow_schedule_change: bool,
+    ) -> None:
+        saved = record.get("run") or {}
+        if run is None or not saved:
+            return
+        for group in ("data", "schedule"):
+            if group == "schedule" and allow_schedule_change:
+                continue
+            old, new = saved.get(group, {}), dict(run.get(group, {}))
+            changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+            if not changed:
+                continue
+            diffs = ", ".join(f"--{k.replace('_', '-')} {old.get(k)} (now {new.get(k)})" for k in changed)
+            same = " ".join(f"--{k.replace('_', '-')} {old.get(k)}" for k in changed if old.get(k) is not None)
+            if group == "data":
+                fix = (
+                    f"resume with the same settings ({same}), or start a new run in a fresh --checkpoint-dir: "
+                    "these settings decide which batches the remaining steps read"
+                )
+            else:
+                fix = (
+                    f"resume with the same settings ({same}), or pass --allow-schedule-change (API: "
+                    "allow_schedule_change=True) to continue the saved state under the new schedule"
+                )
+            raise ShardkitError(
+                f"Checkpoint step {step} in {self.directory} was saved by a run with {diffs}. Fix: {fix}."
+            )
+
+
+def _tree_differences(saved: dict[str, Any], ours: dict[str, Any], what: str) -> str:
+    missing = sorted(set(ours) - set(saved))[:3]
+    extra = sorted(set(saved) - set(ours))[:3]
+    changed = [p for p in sorted(set(ours) & set(saved)) if ours[p] != saved[p]][:3]
+    details = []
+    if missing:
+        details.append(f"{what} not in the checkpoint: {missing}")
+    if extra:
+        details.append(f"{what} only in the checkpoint: {extra}")
+    for p in changed:
+        details.append(f"{p}: checkpoint {saved[p][0]} {saved[p][1]}, now {ours[p][0]} {ours[p][1]}")
+    return "; ".join(details)

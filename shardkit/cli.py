@@ -77,6 +77,20 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
     p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    p.add_argument("--reset-optimizer", action="store_true", help="resume the parameters with a fresh optimizer state")
+    p.add_argument(
+        "--allow-schedule-change",
+        action="store_true",
+        help="resume although --lr, --warmup, --weight-decay, --steps or --optimizer differ from the checkpoint's",
+    )
+    p.add_argument("--warmup", type=int, default=d.warmup, help="learning-rate warmup steps")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    p.add_argument(
+        "--max-skips",
+        type=int,
+        default=d.max_skips,
+        help=f"non-finite steps skipped in a row that stop the run (default {d.max_skips}; 0: never)",
+    )
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism on the tensor axis")
 
 
@@ -185,33 +199,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if distributed.initialize() is None:  # joins the other processes when launched as several
                 _use_simulated_devices_if_no_accelerator(args.devices)
+            import dataclasses
+
             from shardkit.run import train
 
-            cfg = TrainConfig(
-                model=args.model,
-                layout=args.layout,
-                steps=args.steps,
-                batch=args.batch,
-                seq=args.seq,
-                lr=args.lr,
-                optimizer=args.optimizer,
-                dropout=args.dropout,
-                seed=args.seed,
-                data=args.data,
-                json_log=args.json_log,
-                sample_tokens=args.sample_tokens,
-                prompt=args.prompt,
-                precision=args.precision,
-                microbatches=args.microbatches,
-                remat=args.remat,
-                nonfinite=args.nonfinite,
-                checkpoint_dir=args.checkpoint_dir,
-                checkpoint_every=args.checkpoint_every,
-                keep_checkpoints=args.keep_checkpoints,
-                sequence_parallel=args.sequence_parallel,
-                schedule=args.schedule,
-                virtual_stages=args.virtual_stages,
-            )
+            # Every TrainConfig field is a flag of the same name: the config is declared once.
+            cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
             train(cfg)
         elif args.command == "plan":
             from shardkit.plan import run_cli as plan_cli

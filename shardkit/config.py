@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 
 from shardkit.errors import ShardkitError
 
 OPTIMIZER_NAMES = ("adamw", "sgd")
 PRECISION_NAMES = ("fp32", "bf16", "bf16-master")
+NONFINITE_NAMES = ("skip", "halt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +35,15 @@ class TrainConfig:
     microbatches: int = 1
     remat: str = "none"
     nonfinite: str = "skip"
+    max_skips: int = 10  # skipped steps in a row that stop the run (0: never)
     sequence_parallel: bool = False
     schedule: str | None = None  # pipeline schedule with stage > 1 (default 1f1b)
     virtual_stages: int = 1  # interleaved pipeline stages: chunks of layers per device
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
+    reset_optimizer: bool = False  # resume the parameters with a fresh optimizer state
+    allow_schedule_change: bool = False  # resume under another lr, warmup, steps or weight decay
     sample_tokens: int = 200
     prompt: str = "def "
 
@@ -48,5 +53,40 @@ class TrainConfig:
                 raise ShardkitError(f"--{name} must be at least 1, got {getattr(self, name)}.")
         if not math.isfinite(self.lr) or self.lr <= 0:
             raise ShardkitError(f"--lr must be a finite positive number, got {self.lr}.")
+        if self.seed < 0:
+            raise ShardkitError(f"--seed must be >= 0, got {self.seed}.")
+        if self.max_skips < 0:
+            raise ShardkitError(f"--max-skips must be >= 0 (0: never stop on skipped steps), got {self.max_skips}.")
         if self.optimizer not in OPTIMIZER_NAMES:
             raise ShardkitError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZER_NAMES)}.")
+        if self.precision not in PRECISION_NAMES:
+            raise ShardkitError(f"--precision {self.precision!r} is not one of {', '.join(PRECISION_NAMES)}.")
+        if self.nonfinite not in NONFINITE_NAMES:
+            raise ShardkitError(f"--nonfinite {self.nonfinite!r} is not one of {', '.join(NONFINITE_NAMES)}.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ShardkitError(f"--dropout must be in [0, 1), got {self.dropout}.")
+        if self.warmup < 0:
+            raise ShardkitError(f"--warmup must be >= 0 steps, got {self.warmup}.")
+        if not math.isfinite(self.weight_decay) or self.weight_decay < 0:
+            raise ShardkitError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}.")
+        for name, least in (("microbatches", 1), ("virtual_stages", 1), ("keep_checkpoints", 1)):
+            if getattr(self, name) < least:
+                flag = "--" + name.replace("_", "-")
+                raise ShardkitError(f"{flag} must be at least {least}, got {getattr(self, name)}.")
+        for name in ("checkpoint_every", "sample_tokens"):
+            if getattr(self, name) < 0:
+                flag = "--" + name.replace("_", "-")
+                raise ShardkitError(f"{flag} must be >= 0, got {getattr(self, name)}.")
+        if self.json_log is not None:
+            log = pathlib.Path(self.json_log)
+            if log.is_dir():
+                raise ShardkitError(f"--json-log {self.json_log} is a directory; give a file path inside it.")
+            if not log.absolute().parent.is_dir():
+                raise ShardkitError(
+                    f"--json-log {self.json_log}: directory {log.absolute().parent} does not exist. Fix: create it "
+                    "first, or log elsewhere."
+                )
+        if (self.reset_optimizer or self.allow_schedule_change) and not self.checkpoint_dir:
+            raise ShardkitError(
+                "--reset-optimizer and --allow-schedule-change apply to a resume: add --checkpoint-dir."
+            )

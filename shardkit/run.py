@@ -24,7 +24,7 @@ from shardkit.data import TextDataset, load_text
 from shardkit.errors import ShardkitError
 from shardkit.generate import generate
 from shardkit.models.gpt import GPTConfig
-from shardkit.train import Trainer
+from shardkit.train import NonFiniteError, Trainer
 
 
 def _schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -61,6 +61,68 @@ class Progress:
             self.out.flush()
 
 
+def run_fingerprint(cfg: TrainConfig, dataset: TextDataset) -> dict[str, dict[str, Any]]:
+    """The settings a resumed run must keep, as the checkpoint records them: what decides the
+    batches the remaining steps read (``data``), and the optimizer's schedule (``schedule``)."""
+    return {
+        "data": {
+            "seed": cfg.seed,
+            "data": cfg.data or "builtin",
+            "data_tokens": len(dataset.tokens),
+            "batch": cfg.batch,
+            "seq": cfg.seq,
+        },
+        "schedule": {
+            "optimizer": cfg.optimizer,
+            "lr": cfg.lr,
+            "warmup": cfg.warmup,
+            "weight_decay": cfg.weight_decay,
+            "steps": cfg.steps,
+        },
+    }
+
+
+def open_json_log(path: pathlib.Path, first_step: int) -> TextIO:
+    """The step log, opened for this run: after a resume from step N it keeps steps 1..N of the
+    earlier run and drops later ones, so each step appears once."""
+    if first_step and path.is_file():
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= first_step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a kill mid-write
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+        return path.open("a")
+    return path.open("w")
+
+
+def _halted(
+    error: NonFiniteError,
+    trainer: Trainer,
+    ckpt: Checkpointer | None,
+    cfg: TrainConfig,
+    step: int,
+    run: dict[str, dict[str, Any]],
+    out: TextIO,
+) -> ShardkitError:
+    """The guard stopped the run: keep the last good state on disk, and say how to go on."""
+    if ckpt is None:
+        return ShardkitError(f"{error} The last good state is lost: pass --checkpoint-dir to keep it.")
+    ckpt.wait()  # the save in flight first: it may be the newest good one
+    ckpt.save(trainer, error.state, data_position=step, run=run, force=True)
+    ckpt.close()
+    saved = int(error.state.step)
+    print(f"halted: the last good state (step {saved}) is checkpoint step {saved} in {cfg.checkpoint_dir}", file=out)
+    return ShardkitError(
+        f"{error} The last good state (step {saved}) is saved in {cfg.checkpoint_dir}. Fix: resume from it with "
+        "the same command and a lower --lr (add --allow-schedule-change), after checking the data."
+    )
+
+
 def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) -> dict[str, Any]:
     """Train the reference GPT on the built-in corpus (or ``cfg.data``) and sample from it.
 
@@ -93,6 +155,7 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
         precision=cfg.precision,
         microbatches=cfg.microbatches,
         nonfinite=cfg.nonfinite,
+        max_skips=cfg.max_skips,
         sequence_parallel=cfg.sequence_parallel,
         schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages,
@@ -113,8 +176,18 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
 
     rows = trainer.local_rows(cfg.batch)
     first_step = 0
+    run = run_fingerprint(cfg, dataset)
+    if ckpt is not None:
+        ckpt.prepare(trainer)  # writable, room for a checkpoint, locked: before any step is computed
     if ckpt is not None and ckpt.latest_step() is not None:
-        state, record = ckpt.restore(trainer)
+        state, record = ckpt.restore(
+            trainer,
+            run=run,
+            reset_optimizer=cfg.reset_optimizer,
+            allow_schedule_change=cfg.allow_schedule_change,
+        )
+        for warning in ckpt.warnings:
+            print(f"warning: {warning}", file=out)
         first_step = record["data_position"]
         print(
             f"resumed from {cfg.checkpoint_dir} at step {first_step} (saved under layout {record['layout']})", file=out
@@ -129,12 +202,15 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
     with contextlib.ExitStack() as stack:
         log = None
         if cfg.json_log and jax.process_index() == 0:  # one writer, whatever the process count
-            log = stack.enter_context(pathlib.Path(cfg.json_log).open("a" if first_step else "w"))
+            log = stack.enter_context(open_json_log(pathlib.Path(cfg.json_log), first_step))
         for step in range(first_step, cfg.steps):
             host_batch = dataset.batch(step, cfg.batch, cfg.seq, rows=rows)  # this process's rows only
             batch = trainer.shard_batch(host_batch)
             start = time.perf_counter()
-            state, metrics = trainer.step(state, batch)
+            try:
+                state, metrics = trainer.step(state, batch)
+            except NonFiniteError as e:
+                raise _halted(e, trainer, ckpt, cfg, step, run, out) from None
             loss = float(metrics["loss"])  # waits for the step
             seconds = time.perf_counter() - start
             if step > first_step:  # the first step includes the compile
@@ -158,7 +234,7 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
                 bar.update(step + 1, loss, tokens_per_s)
             if ckpt is not None:
                 # Periodic saves run in the background; data_position is the next batch to read.
-                ckpt.save(trainer, state, data_position=step + 1, force=step + 1 == cfg.steps)
+                ckpt.save(trainer, state, data_position=step + 1, run=run, force=step + 1 == cfg.steps)
     if ckpt is not None:
         if first_step >= cfg.steps:
             print(f"checkpoint at step {first_step} already reaches --steps {cfg.steps}; nothing to train", file=out)

@@ -89,19 +89,27 @@ def pipeline_schedule(
     return make_schedule(name or "1f1b", p, microbatches, virtual_stages)
 
 
-def halted(state: TrainState, metrics: dict[str, jax.Array]) -> NonFiniteError:
-    """The error of a step the ``halt`` policy refused: the step, the loss, the first parameter
-    whose gradient was not finite, and the state as it was before the step."""
+def halted(state: TrainState, metrics: dict[str, jax.Array], in_a_row: int = 0) -> NonFiniteError:
+    """The error of a step the guard refused (``halt``, or the ``in_a_row``-th skip in a row under
+    ``skip``): the step, the loss, the first parameter whose gradient was not finite, and the state
+    as it was before the step."""
     step = int(state.step) + 1
+    if in_a_row:
+        lead = (
+            f"{in_a_row} steps in a row were not finite and were skipped (the state stayed at step "
+            f"{step - 1}): the run is diverging. Last attempt"
+        )
+    else:
+        lead = f"Step {step}"
     bad = [path_str(p) for p, ok in jax.tree_util.tree_flatten_with_path(metrics["finite_grads"])[0] if not ok]
     updated = [path_str(p) for p, ok in jax.tree_util.tree_flatten_with_path(metrics["finite_params"])[0] if not ok]
     return NonFiniteError(
-        f"Step {step}: loss {float(metrics['loss'])}"
+        f"{lead}: loss {float(metrics['loss'])}"
         + (f", first non-finite gradient: {bad[0]} ({len(bad)} parameters in all)" if bad else "")
         + (f", first parameter the update made non-finite: {updated[0]}" if updated and not bad else "")
         + ". The step was not applied; the state in this error (.state) is the one before it. "
-        "Lower the learning rate, check the batch for bad values, or use nonfinite='skip' to "
-        "skip such steps.",
+        "Lower the learning rate, check the batch for bad values, or "
+        + ("raise max_skips." if in_a_row else "use nonfinite='skip' to skip such steps."),
         state,
         step,
         bad[0] if bad else (updated[0] if updated else None),

@@ -20,6 +20,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit.errors import ShardkitError, short_repr
+from shardkit.inputs import check_host_batch, vocab_size
 from shardkit.losses import LossFn, cross_entropy, like, mse_loss, next_token_loss
 from shardkit.mesh import Layout, as_layout
 from shardkit.model import Model
@@ -74,10 +75,12 @@ class Trainer:
         of raising; :attr:`fallbacks` lists them.
       precision: ``"fp32"``, ``"bf16"`` (fp32 parameters, bf16 compute) or ``"bf16-master"``
         (bf16 parameters, fp32 master weights); see :mod:`shardkit.precision`.
-      nonfinite: what to do when a step's loss or gradients hold NaN/Inf: ``"skip"`` leaves the
-        state as it was and reports ``metrics["finite"] == False``; ``"halt"`` does the same and
-        raises :class:`NonFiniteError` naming the step and the first non-finite parameter;
-        None (default) applies the step whatever it holds.
+      nonfinite: what to do when a step's loss, gradients or updated parameters hold NaN/Inf:
+        ``"skip"`` (default) leaves the state as it was and reports ``metrics["finite"] == False``;
+        ``"halt"`` does the same and raises :class:`NonFiniteError` naming the step and the first
+        non-finite parameter; None applies the step whatever it holds.
+      max_skips: under ``"skip"``, this many skipped steps in a row raise :class:`NonFiniteError`
+        (a diverging run must not look successful); 0 never escalates.
       sequence_parallel: Megatron sequence parallelism on the ``tensor`` axis
         (:func:`shardkit.rules.tensor_sequence_parallel`).
       microbatches: split each batch into this many microbatches and accumulate their
@@ -115,7 +118,8 @@ class Trainer:
         allow_replicate: bool = False,
         precision: str | Precision = "fp32",
         microbatches: int = 1,
-        nonfinite: str | None = None,
+        nonfinite: str | None = "skip",
+        max_skips: int = 10,
         sequence_parallel: bool = False,
         schedule: str | None = None,
         virtual_stages: int = 1,
@@ -132,9 +136,12 @@ class Trainer:
             raise ShardkitError(f"microbatches must be a positive integer, got {microbatches!r}.")
         if nonfinite is not None and nonfinite not in NONFINITE_POLICIES:
             raise ShardkitError(f"nonfinite={nonfinite!r}: choose 'skip', 'halt' or None.")
+        if not isinstance(max_skips, int) or isinstance(max_skips, bool) or max_skips < 0:
+            raise ShardkitError(f"max_skips={max_skips!r}: give a count >= 0 (0: never escalate).")
         devices = list(jax.devices() if devices is None else devices)
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.precision, self.microbatches, self.nonfinite = as_precision(precision), microbatches, nonfinite
+        self.max_skips, self.skipped_in_a_row = max_skips, 0
         self.layout = as_layout(layout).resolve(len(devices))
         self.schedule: Schedule | None = pipeline_schedule(model, self.layout, schedule, virtual_stages, microbatches)
         rules = default_rules(self.layout) if rules is None else as_rules(rules)
@@ -154,6 +161,7 @@ class Trainer:
         self.abstract_params, self.param_specs = self.plan.abstract_params, self.plan.param_specs
         self.state_specs, self.state_shardings = self.plan.state_specs, self.plan.state_shardings
         self.fallbacks = list(self.plan.fallbacks)
+        self.vocab = vocab_size(self.abstract_params, model.axes)
         if self.schedule is not None:
             grads = pipelined_grads(model, loss, self.precision, self.schedule, self.plan)
         else:
@@ -212,8 +220,11 @@ class Trainer:
         """Host-local arrays of one process -> global arrays sharded over the mesh.
 
         In a single process the local batch is the global batch. With several processes each
-        passes its own slice (``jax.make_array_from_process_local_data``).
+        passes its own slice (``jax.make_array_from_process_local_data``). The host arrays are
+        checked first (:func:`shardkit.inputs.check_host_batch`): token ids within the model's
+        vocabulary, no NaN in floating-point entries, a 2-D ``tokens`` for the default loss.
         """
+        check_host_batch(batch, vocab=self.vocab, needs_tokens=self.loss is next_token_loss)
         n = jax.process_count()
         shapes = {
             k: jax.ShapeDtypeStruct((v.shape[0] * n, *v.shape[1:]) if v.ndim else (), v.dtype) for k, v in batch.items()
@@ -276,7 +287,8 @@ class Trainer:
           with a ``nonfinite`` policy).
 
         Raises:
-          NonFiniteError: under ``nonfinite="halt"``, for a step with NaN/Inf.
+          NonFiniteError: under ``nonfinite="halt"``, for a step with NaN/Inf; under ``"skip"``,
+            for the ``max_skips``-th skipped step in a row. Its ``.state`` is the last good state.
         """
         if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
             raise ShardkitError(
@@ -284,8 +296,16 @@ class Trainer:
                 "Fix: continue from the state that step returned: state, metrics = trainer.step(state, batch)."
             )
         new_state, metrics = self.compile(batch)(state, batch)
-        if self.nonfinite == "halt" and not bool(metrics["finite"]):
+        if self.nonfinite is None:
+            return new_state, metrics
+        if bool(metrics["finite"]):  # waits for the step: the guard decides before the next one
+            self.skipped_in_a_row = 0
+        elif self.nonfinite == "halt":
             raise halted(new_state, metrics)
+        else:
+            self.skipped_in_a_row += 1
+            if self.max_skips and self.skipped_in_a_row >= self.max_skips:
+                raise halted(new_state, metrics, in_a_row=self.skipped_in_a_row)
         return new_state, metrics
 
     # -- explaining ---------------------------------------------------------------------------

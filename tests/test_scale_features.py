@@ -142,17 +142,20 @@ def test_dropout_is_on_and_follows_the_seed():
     assert seed0[0] != no_dropout[0]
 
 
-def poisoned(batch):
+def poisoned(t, batch):
+    """A batch that yields a NaN loss on the device. shard_batch refuses out-of-vocabulary ids on
+    the host, so this places it directly, as a batch built on the device would arrive."""
     bad = {k: v.copy() for k, v in batch.items()}
     bad["tokens"][0, 5] = 10**6  # out of the vocabulary: the embedding lookup yields NaN
-    return bad
+    specs = t.batch_specs(bad)
+    return {k: jax.device_put(v, jax.sharding.NamedSharding(t.mesh, specs[k])) for k, v in bad.items()}
 
 
 def test_nonfinite_skip_leaves_the_state_as_it_was():
     t = trainer(nonfinite="skip")
     state, _ = t.step(t.init(0), t.shard_batch(BATCHES[0]))
     before = jax.device_get(state)
-    after, metrics = t.step(state, t.shard_batch(poisoned(BATCHES[1])))
+    after, metrics = t.step(state, poisoned(t, BATCHES[1]))
     assert not bool(metrics["finite"])
     assert_trees_close(jax.device_get(after), before, rtol=0, atol=0)
     after, metrics = t.step(after, t.shard_batch(BATCHES[1]))
@@ -164,9 +167,57 @@ def test_nonfinite_halt_names_the_step_and_the_parameter():
     state, _ = t.step(t.init(0), t.shard_batch(BATCHES[0]))
     before = jax.device_get(state)
     with pytest.raises(NonFiniteError, match=r"Step 2: loss nan, first non-finite gradient: \S+") as err:
-        t.step(state, t.shard_batch(poisoned(BATCHES[1])))
+        t.step(state, poisoned(t, BATCHES[1]))
     assert err.value.step == 2 and err.value.parameter
     assert_trees_close(jax.device_get(err.value.state), before, rtol=0, atol=0)
+
+
+def test_the_guard_is_on_by_default_and_escalates_consecutive_skips():
+    t = trainer()  # the API default: skip, escalating after max_skips in a row
+    assert t.nonfinite == "skip" and t.max_skips == 10
+    t = trainer(max_skips=3)
+    state, _ = t.step(t.init(0), t.shard_batch(BATCHES[0]))
+    good = jax.device_get(state)
+    state, metrics = t.step(state, poisoned(t, BATCHES[1]))
+    assert not bool(metrics["finite"])
+    state, metrics = t.step(state, t.shard_batch(BATCHES[1]))  # a good step resets the count
+    assert bool(metrics["finite"]) and t.skipped_in_a_row == 0
+    good = jax.device_get(state)
+    state, _ = t.step(state, poisoned(t, BATCHES[2]))
+    state, _ = t.step(state, poisoned(t, BATCHES[3]))
+    with pytest.raises(NonFiniteError, match=r"3 steps in a row were not finite .* stayed at step 2.*diverging") as err:
+        t.step(state, poisoned(t, BATCHES[4]))
+    assert_trees_close(jax.device_get(err.value.state), good, rtol=0, atol=0)
+
+
+def test_max_skips_must_be_a_count():
+    with pytest.raises(sk.ShardkitError, match="max_skips=-1"):
+        trainer(max_skips=-1)
+
+
+@pytest.mark.parametrize(
+    "entry, match",
+    [
+        (np.full((16, 33), 256, np.int32), r"token ids from \d+ to 256, outside the model's vocabulary \[0, 256\)"),
+        (np.full((16, 33), -1, np.int32), r"token ids from -1 to -1"),
+        (np.zeros((16, 33), np.float32), "float32 values; token ids must be integers"),
+        (np.zeros((16,), np.int32), r"must be \(batch, seq \+ 1\) token ids, got shape \(16,\)"),
+    ],
+)
+def test_bad_token_batches_are_refused_on_the_host(entry, match):
+    with pytest.raises(sk.ShardkitError, match=match):
+        trainer("data=8").shard_batch({"tokens": entry})
+
+
+def test_a_batch_without_tokens_or_with_nan_is_refused():
+    t = trainer("data=8")
+    with pytest.raises(sk.ShardkitError, match=r"reads batch\['tokens'\], but the batch has \['ids'\]"):
+        t.shard_batch({"ids": BATCHES[0]["tokens"]})
+    mse = sk.Trainer(GPTConfig.preset("tiny").model(), optax.sgd(0.1), "data=8", loss=sk.mse_loss)
+    x = np.ones((8, 4), np.float32)
+    x[3, 1] = np.nan
+    with pytest.raises(sk.ShardkitError, match=r"batch\['x'\] holds NaN or Inf values \(1 of 32\)"):
+        mse.shard_batch({"x": x, "y": np.ones((8, 4), np.float32)})
 
 
 def test_nonfinite_policy_must_be_known():
@@ -176,6 +227,6 @@ def test_nonfinite_policy_must_be_known():
 
 def test_guarded_step_still_counts_no_extra_collectives_over_tensor():
     batch = {"tokens": jax.ShapeDtypeStruct((16, 33), jnp.int32)}
-    plain = hlo.count(trainer("data=8").compile(batch).as_text())
+    plain = hlo.count(trainer("data=8", nonfinite=None).compile(batch).as_text())
     guarded = hlo.count(trainer("data=8", nonfinite="skip").compile(batch).as_text())
     assert guarded["all-gather"] == plain["all-gather"] == 0
