@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import sys
 import pathlib
+import re
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -47,6 +50,31 @@ _FORMAT = 2
 MANIFEST = "shardkit_files.json"
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _ROOM_FACTOR = 1.2  # a save needs the state's bytes, plus metadata and some slack
+
+
+class _QuietOrbaxErrors(logging.Filter):
+    """Drops orbax's ERROR logs of a failed background save: :meth:`Checkpointer.save` and
+    :meth:`Checkpointer.wait` raise one error naming the cause instead of a traceback per thread."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+logging.getLogger("absl").addFilter(_QuietOrbaxErrors())
+
+
+def _quiet_closed_loops(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An unraisable-exception hook that drops the "Event loop is closed" errors tensorstore's
+    callbacks raise after orbax closed the event loop of a failed save (one per pending write)."""
+
+    def quiet(unraisable: Any) -> None:
+        value = getattr(unraisable, "exc_value", None)
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        hook(unraisable)
+
+    quiet.shardkit_quiet = True  # type: ignore[attr-defined]
+    return quiet
 
 
 class CheckpointDamaged(ShardkitError):
@@ -75,16 +103,22 @@ def state_fingerprint(trainer: Trainer) -> dict[str, list[Any]]:
 
 
 def _root_cause(error: BaseException) -> str:
-    """The innermost OS error of a chain (what the user can act on), else the error itself."""
-    seen, e = set(), error
-    found: BaseException = error
+    """What the user can act on: the innermost OS error of a chain, or the OS error code that
+    tensorstore reports inside its message (``[os_error_code='28']``), else the error itself."""
+    seen, e, chain = set(), error, []
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError):
-            found = e
+        chain.append(e)
         e = e.__cause__ or e.__context__
-    text = str(found).splitlines()[0][:200] if str(found) else ""
-    return f"{type(found).__name__}: {text}"
+    for e in chain:
+        if isinstance(e, OSError) and e.errno:
+            return f"OSError: [Errno {e.errno}] {os.strerror(e.errno)}"
+    for e in chain:
+        code = re.search(r"os_error_code='(\d+)'", str(e))
+        if code:
+            return f"OSError: [Errno {code.group(1)}] {os.strerror(int(code.group(1)))}"
+    text = str(error).splitlines()[0][:200] if str(error) else ""
+    return f"{type(error).__name__}: {text}"
 
 
 class Checkpointer:
@@ -164,6 +198,8 @@ class Checkpointer:
                 f"Checkpoint directory {self.directory} has {free / 2**20:,.1f} MiB free; a checkpoint of this "
                 f"state needs about {need / 2**20:,.1f} MiB. Fix: free space, or choose another --checkpoint-dir."
             )
+        if not getattr(sys.unraisablehook, "shardkit_quiet", False):
+            sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
         if jax.process_index() == 0:
             self._lock.acquire()
             for leftover in self.directory.glob(f"*{_TMP_MARK}*"):  # we hold the lock: nobody is writing it
