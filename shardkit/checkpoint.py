@@ -28,10 +28,10 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import pathlib
 import re
 import shutil
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any

@@ -4,6 +4,7 @@ keep the run's settings, bad directories fail before the first step, one writer 
 Real files, real orbax saves, real file systems (tmpfs mounts where this runs as root)."""
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -113,7 +114,7 @@ def test_a_flipped_byte_anywhere_is_detected_and_the_previous_step_restored(two_
 
 def test_values_changed_behind_the_file_list_are_caught_by_the_array_checksums(two_steps, tmp_path):
     """Without the file list (a save killed before writing it), a flipped value is still caught."""
-    directory, saved = copy_of(two_steps, tmp_path)
+    directory, _ = copy_of(two_steps, tmp_path)
     (directory / "2" / MANIFEST).unlink()
     record = json.loads((directory / "2" / "record" / "metadata").read_text())
     path = next(iter(record["checksums"]))
@@ -125,11 +126,11 @@ def test_values_changed_behind_the_file_list_are_caught_by_the_array_checksums(t
 
 
 def test_an_empty_step_directory_is_skipped_with_a_warning(two_steps, tmp_path):
-    directory, saved = copy_of(two_steps, tmp_path)
+    directory, _ = copy_of(two_steps, tmp_path)
     (directory / "8").mkdir()
     ckpt = Checkpointer(directory)
     with pytest.warns(UserWarning, match="skipped step 8"):
-        state, record = ckpt.restore(make_trainer())
+        _, record = ckpt.restore(make_trainer())
     assert record["step"] == 2 and ckpt.warnings and "step 8" in ckpt.warnings[0]
 
 
@@ -204,9 +205,11 @@ def test_a_read_only_directory_fails_before_any_step(tmp_path):
 
 @needs_root
 def test_a_disk_too_small_for_one_checkpoint_fails_before_any_step(tmp_path):
-    with mounted_tmpfs(tmp_path / "tiny", "256k") as tiny:
-        with pytest.raises(sk.ShardkitError, match=r"MiB free; a checkpoint of this state needs about"):
-            Checkpointer(tiny / "run").prepare(make_trainer())
+    with (
+        mounted_tmpfs(tmp_path / "tiny", "256k") as tiny,
+        pytest.raises(sk.ShardkitError, match=r"MiB free; a checkpoint of this state needs about"),
+    ):
+        Checkpointer(tiny / "run").prepare(make_trainer())
 
 
 @needs_root
@@ -282,19 +285,17 @@ def small_run(tmp_path, **kw):
 
 def test_the_json_log_holds_each_step_once_after_a_resume(tmp_path):
     log = tmp_path / "log.jsonl"
-    train(small_run(tmp_path, checkpoint_every=2, json_log=str(log)), progress=False, out=open(os.devnull, "w"))
+    train(small_run(tmp_path, checkpoint_every=2, json_log=str(log)), progress=False, out=io.StringIO())
     shutil.rmtree(tmp_path / "ck" / "5")  # as if killed after step 5 was logged, before it was saved
-    result = train(
-        small_run(tmp_path, checkpoint_every=2, json_log=str(log)), progress=False, out=open(os.devnull, "w")
-    )
+    result = train(small_run(tmp_path, checkpoint_every=2, json_log=str(log)), progress=False, out=io.StringIO())
     assert len(result["losses"]) == 1  # resumed at 4, ran step 5
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4, 5]
 
 
 def test_a_resume_with_another_seed_is_refused_before_training(tmp_path):
-    train(small_run(tmp_path, steps=2), progress=False, out=open(os.devnull, "w"))
+    train(small_run(tmp_path, steps=2), progress=False, out=io.StringIO())
     with pytest.raises(sk.ShardkitError, match=r"--seed 0 \(now 3\)"):
-        train(small_run(tmp_path, steps=2, seed=3), progress=False, out=open(os.devnull, "w"))
+        train(small_run(tmp_path, steps=2, seed=3), progress=False, out=io.StringIO())
 
 
 def test_a_diverging_run_escalates_and_leaves_its_last_good_state_on_disk(tmp_path):
@@ -302,7 +303,7 @@ def test_a_diverging_run_escalates_and_leaves_its_last_good_state_on_disk(tmp_pa
     with pytest.raises(
         sk.ShardkitError, match=r"3 steps in a row were not finite.*last good state \(step (\d+)\) is saved"
     ):
-        train(cfg, progress=False, out=open(os.devnull, "w"))
+        train(cfg, progress=False, out=io.StringIO())
     ckpt = Checkpointer(tmp_path / "ck")
     last = ckpt.latest_step()
     state, record = ckpt.restore(make_trainer(optimizer=optax.adamw(1.0)), reset_optimizer=True)
@@ -311,13 +312,29 @@ def test_a_diverging_run_escalates_and_leaves_its_last_good_state_on_disk(tmp_pa
     assert record["data_position"] == last  # a resume retries the first batch that was skipped
 
 
+SMALL_RUN_FLAGS = [
+    "--model",
+    "tiny",
+    "--layout",
+    "data=8",
+    "--steps",
+    "6",
+    "--batch",
+    "8",
+    "--seq",
+    "32",
+    "--checkpoint-every",
+    "1",
+    "--sample-tokens",
+    "0",
+]
+
+
 @needs_root
 def test_the_cli_on_a_full_disk_prints_one_error_and_no_traceback(tmp_path):
     with mounted_tmpfs(tmp_path / "full", "3m") as full:
         result = subprocess.run(
-            [sys.executable, "-m", "shardkit.cli", "train", "--model", "tiny", "--layout", "data=8", "--steps", "6"]
-            + ["--batch", "8", "--seq", "32", "--checkpoint-dir", str(full / "run"), "--checkpoint-every", "1"]
-            + ["--sample-tokens", "0"],
+            [sys.executable, "-m", "shardkit.cli", "train", *SMALL_RUN_FLAGS, "--checkpoint-dir", str(full / "run")],
             capture_output=True,
             text=True,
             timeout=600,
