@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     lau = sub.add_parser("launch", help="start P processes of a command on this machine (jax.distributed)")
     lau.add_argument("--nproc", type=int, required=True, help="number of processes")
     lau.add_argument("--devices-per-proc", type=int, default=None, help="simulated CPU devices per process")
+    lau.add_argument("--port", type=int, default=None, help="the coordinator's port (default: a free one)")
+    lau.add_argument(
+        "--grace", type=float, default=10.0, help="seconds workers get to exit after a failure or a signal"
+    )
     lau.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     return parser
 
@@ -193,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from shardkit.launch import launch
 
             command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-            return launch(command, args.nproc, args.devices_per_proc)
+            return launch(command, args.nproc, args.devices_per_proc, port=args.port, grace_s=args.grace)
         if args.command == "train":
             from shardkit import distributed
 

@@ -96,7 +96,8 @@ def initialize(
       process_id: this process's rank, 0-based.
       local_devices: simulated CPU devices in this process (CPU only).
       timeout_s: give up after this many seconds without the coordinator.
-      heartbeat_timeout_s: the runtime stops every process this long after one stops answering.
+      heartbeat_timeout_s: the runtime stops every process this long after one stops answering
+        (``SHARDKIT_HEARTBEAT_S`` overrides it).
 
     Returns:
       What was detected and used, or None when this is a single process.
@@ -105,6 +106,7 @@ def initialize(
       ShardkitError: JAX already started its backend, inconsistent values, or the
         coordinator could not be reached in time.
     """
+    heartbeat_timeout_s = _int(os.environ, "SHARDKIT_HEARTBEAT_S") or heartbeat_timeout_s
     spec = detect()
     if coordinator_address or num_processes or process_id is not None:
         spec = ClusterSpec("arguments", coordinator_address, num_processes, process_id, local_devices)
@@ -128,6 +130,8 @@ def initialize(
         )
     if spec.num_processes is not None and spec.process_id is not None and not 0 <= spec.process_id < spec.num_processes:
         raise ShardkitError(f"Process id {spec.process_id} is outside 0..{spec.num_processes - 1}.")
+    if spec.coordinator and spec.process_id == 0:
+        _check_port_free(spec.coordinator)
     if spec.coordinator and spec.process_id not in (0, None):
         # JAX aborts the whole process when the coordinator never answers; probe it first so
         # the user gets an error they can read.
@@ -155,7 +159,31 @@ def initialize(
                 error=str(e).splitlines()[0][:200],
             )
         ) from e
+    if spec.num_processes is not None and jax.process_count() != spec.num_processes:
+        # The coordinator (process 0) decides the job's size; a process told another count
+        # would split batches and checkpoints wrongly.
+        raise ShardkitError(
+            f"This process was started as process {spec.process_id} of {spec.num_processes} ({spec.source}), but "
+            f"the coordinator at {spec.coordinator} runs a job of {jax.process_count()} processes. Fix: start every "
+            "process with the same process count."
+        )
     return spec
+
+
+def _check_port_free(address: str) -> None:
+    """Process 0 hosts the coordinator: a port already taken would fail deep inside JAX."""
+    _, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise ShardkitError(f"Coordinator address {address!r} must be host:port, e.g. 10.0.0.1:12355.")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", int(port)))
+        except OSError as e:
+            raise ShardkitError(
+                f"Coordinator port {port} is already in use on this host ({e.strerror}): process 0 hosts the "
+                f"coordinator there. Fix: choose a free port (shardkit launch --port, or SHARDKIT_COORDINATOR="
+                f"host:PORT), or stop the job that holds it."
+            ) from None
 
 
 def _wait_for_coordinator(spec: ClusterSpec, timeout_s: float) -> None:

@@ -5,11 +5,22 @@ a free local port, process count, rank, simulated devices per process), its outp
 with its rank, and when one process fails the others are stopped at once and the launcher
 exits with the failing code: no hung jobs. JAX's own runtime does the rest; this only starts
 processes, the way ``srun`` or ``mpirun`` would.
+
+Nothing is left behind: SIGTERM, SIGINT and SIGHUP to the launcher (what ``timeout``, SLURM,
+Kubernetes and Ctrl-C send) go to every worker's process group, which gets ``grace_s`` seconds
+to exit before SIGKILL. When a worker fails, the launcher names the cause: the signal that
+killed it, a rank that is stopped (``SIGSTOP``, a debugger) or that JAX's coordinator reports
+as no longer sending heartbeats, or two processes registered under one process id.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import glob
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,8 +28,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import TextIO
 
 from shardkit.errors import ShardkitError
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_TAIL_LINES = 200  # lines of each rank's output kept to explain a failure
 
 
 def free_port() -> int:
@@ -27,10 +42,78 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(rank: int, stream: object, out: object) -> None:
-    for line in iter(stream.readline, ""):  # type: ignore[attr-defined]
-        out.write(f"[rank {rank}] {line}")  # type: ignore[attr-defined]
-        out.flush()  # type: ignore[attr-defined]
+def _pump(rank: int, stream: TextIO, out: TextIO, tail: collections.deque[str]) -> None:
+    for line in iter(stream.readline, ""):
+        tail.append(line)
+        out.write(f"[rank {rank}] {line}")
+        out.flush()
+
+
+def _check_command(command: Sequence[str]) -> None:
+    if not command:
+        raise ShardkitError("shardkit launch needs a command after `--`, e.g. `-- shardkit train --layout data=2`.")
+    program = command[0]
+    if os.sep in program:
+        if not (os.path.isfile(program) and os.access(program, os.X_OK)):
+            raise ShardkitError(f"shardkit launch: {program} is not an executable file. Fix: check the path.")
+    elif shutil.which(program) is None:
+        raise ShardkitError(
+            f"shardkit launch: command {program!r} not found on PATH. Fix: check the spelling, or give its full "
+            "path (e.g. `-- python train.py`)."
+        )
+
+
+def _group_states(pgid: int) -> set[str]:
+    """The scheduler states (R, S, T, Z, ...) of the processes in process group ``pgid``."""
+    states = set()
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = open(stat).read().rsplit(")", 1)[1].split()  # noqa: SIM115 -- one read
+            if int(fields[2]) == pgid:
+                states.add(fields[0])
+    return states
+
+
+def _signal_name(code: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(-code).name
+    return f"signal {-code}"
+
+
+def _stalled(procs: list[subprocess.Popen[str]]) -> list[int]:
+    """Ranks whose process group has a stopped process (state T)."""
+    return [r for r, p in enumerate(procs) if p.poll() is None and "T" in _group_states(p.pid)]
+
+
+def diagnose(failed_rank: int, code: int, stalled: list[int], tails: list[collections.deque[str]]) -> str:
+    """One message for a failed job: which rank is at fault, and why, as far as can be seen.
+
+    Args:
+      failed_rank: the first rank that exited with an error.
+      code: its exit status (negative: killed by that signal).
+      stalled: ranks found stopped when it failed.
+      tails: the last lines of every rank's output (JAX's coordinator logs there who it lost).
+    """
+    how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+    lines = [f"shardkit launch: rank {failed_rank} {how}"]
+    if stalled:
+        lines.append(
+            f"rank {', '.join(map(str, stalled))} is stalled: stopped (process state T: SIGSTOP, a debugger or "
+            f"job control), so it stopped answering; rank {failed_rank} failed because of it, not on its own"
+        )
+    text = "".join(line for tail in tails for line in tail)
+    unhealthy = re.search(r"stopped sending heartbeats\):\s*([\d,\s]+)", text)
+    if unhealthy and not stalled:
+        ranks = ", ".join(unhealthy.group(1).split())
+        lines.append(f"JAX's coordinator reports rank {ranks} as no longer sending heartbeats (stalled or dead)")
+    if "incarnation" in text:  # JAX's coordinator words it several ways, depending on who connects first
+        duplicate = re.search(r"(\d+) unexpectedly tried to connect", text)
+        which = f" (id {duplicate.group(1)})" if duplicate else ""
+        lines.append(
+            f"two processes registered under one process id{which}: a duplicate SHARDKIT_PROCESS_ID or "
+            "JAX_PROCESS_ID, or a process that restarted. Fix: give each process its own id in 0..N-1"
+        )
+    return "; ".join(lines) + "\n"
 
 
 def launch(
@@ -38,85 +121,115 @@ def launch(
     nproc: int,
     devices_per_proc: int | None = None,
     *,
-    grace_s: float = 5.0,
+    port: int | None = None,
+    grace_s: float = 10.0,
     env: dict[str, str] | None = None,
 ) -> int:
     """Run ``command`` in ``nproc`` processes; return 0, or the exit code of the first to fail
-    (128 + N for a process killed by signal N).
+    (128 + N for a process killed by signal N, or for the launcher stopped by signal N).
 
     Args:
       command: the program and its arguments, e.g. ``["shardkit", "train", "--layout", ...]``.
       nproc: number of processes.
       devices_per_proc: simulated CPU devices per process (sets ``SHARDKIT_LOCAL_DEVICES``).
-      grace_s: seconds the others get to stop after one failed, before SIGKILL.
+      port: the coordinator's port (default: a free one).
+      grace_s: seconds the workers get to exit after a failure or a signal, before SIGKILL.
       env: extra environment variables for every process.
+
+    Raises:
+      ShardkitError: no command, an unknown command, or a bad process count; before any start.
     """
-    if not command:
-        raise ShardkitError("shardkit launch needs a command after `--`, e.g. `-- shardkit train --layout data=2`.")
+    _check_command(command)
     if nproc < 1:
         raise ShardkitError(f"--nproc {nproc}: launch at least one process.")
-    port = free_port()
+    port = free_port() if port is None else port
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum)) for s in FORWARDED_SIGNALS}
     procs: list[subprocess.Popen[str]] = []
+    tails: list[collections.deque[str]] = []
     pumps = []
-    for rank in range(nproc):
-        child_env = {
-            **os.environ,
-            **(env or {}),
-            "SHARDKIT_COORDINATOR": f"127.0.0.1:{port}",
-            "SHARDKIT_NUM_PROCESSES": str(nproc),
-            "SHARDKIT_PROCESS_ID": str(rank),
-            "PYTHONUNBUFFERED": "1",
-        }
-        if devices_per_proc:
-            child_env["SHARDKIT_LOCAL_DEVICES"] = str(devices_per_proc)
-            child_env["JAX_PLATFORMS"] = "cpu"
-        p = subprocess.Popen(
-            list(command),
-            env=child_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # its own process group: stopping it stops its children too
-        )
-        procs.append(p)
-        t = threading.Thread(target=_pump, args=(rank, p.stdout, sys.stdout), daemon=True)
-        t.start()
-        pumps.append(t)
-
-    failed: tuple[int, int] | None = None
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failed = bad[0]
-                break
-            if all(c == 0 for c in codes):
-                break
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        failed = (-1, 130)
-    if failed is not None:
-        rank, code = failed
-        if rank >= 0:
-            sys.stderr.write(f"shardkit launch: rank {rank} exited with code {code}; stopping the other ranks\n")
-        _stop(procs, grace_s)
+        for rank in range(nproc):
+            child_env = {
+                **os.environ,
+                **(env or {}),
+                "SHARDKIT_COORDINATOR": f"127.0.0.1:{port}",
+                "SHARDKIT_NUM_PROCESSES": str(nproc),
+                "SHARDKIT_PROCESS_ID": str(rank),
+                "PYTHONUNBUFFERED": "1",
+            }
+            if devices_per_proc:
+                child_env["SHARDKIT_LOCAL_DEVICES"] = str(devices_per_proc)
+                child_env["JAX_PLATFORMS"] = "cpu"
+            p = subprocess.Popen(
+                list(command),
+                env=child_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,  # its own process group: stopping it stops its children too
+            )
+            procs.append(p)
+            tails.append(collections.deque(maxlen=_TAIL_LINES))
+            t = threading.Thread(target=_pump, args=(rank, p.stdout, sys.stdout, tails[-1]), daemon=True)
+            t.start()
+            pumps.append(t)
+        failure = _watch(procs, received, grace_s)
+    finally:
+        _stop(procs, grace_s, signal.SIGTERM)  # a no-op when all have exited
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     for t in pumps:
-        t.join(timeout=2)
-    if failed is None:
+        t.join(timeout=2)  # every line read: what the ranks said before they stopped explains it
+    if failure is None:
         return 0
-    code = failed[1]
+    rank, code, stalled = failure
+    if rank >= 0:
+        sys.stderr.write(diagnose(rank, code, stalled, tails))
     return 128 - code if code < 0 else code  # killed by signal N: exit 128 + N, as shells do
 
 
-def _stop(procs: list[subprocess.Popen[str]], grace_s: float) -> None:
+def _watch(
+    procs: list[subprocess.Popen[str]], received: list[int], grace_s: float
+) -> tuple[int, int, list[int]] | None:
+    """Wait for the job: None when every rank succeeded, else ``(rank, code, stalled ranks)``
+    (rank -1 and code -N when the launcher was stopped by signal N)."""
+    while True:
+        if received:
+            signum = received[0]
+            sys.stderr.write(
+                f"shardkit launch: received {signal.Signals(signum).name}; passing it to every rank "
+                f"({grace_s:g} s to exit, then SIGKILL)\n"
+            )
+            _stop(procs, grace_s, signum)
+            return -1, -signum, []
+        codes = [p.poll() for p in procs]
+        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            rank, code = bad[0]
+            stalled = _stalled(procs)  # before stopping them: afterwards every rank is gone
+            sys.stderr.write(f"shardkit launch: rank {rank} failed; stopping the other ranks\n")
+            _stop(procs, grace_s, signal.SIGTERM)
+            return rank, code, stalled
+        if all(c == 0 for c in codes):
+            return None
+        time.sleep(0.05)
+
+
+def _stop(procs: list[subprocess.Popen[str]], grace_s: float, signum: int) -> None:
+    """``signum`` to every rank's process group, ``grace_s`` to exit, then SIGKILL to whatever of
+    the group is left (children included, even after the rank itself exited)."""
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signum)
+                os.killpg(p.pid, signal.SIGCONT)  # a stopped process cannot act on the signal
     deadline = time.time() + grace_s
     for p in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=max(deadline - time.time(), 0.01))
-        except subprocess.TimeoutExpired:
+        while _group_states(p.pid) - {"Z"} and time.time() < deadline:
+            time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        p.wait()

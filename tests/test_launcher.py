@@ -1,0 +1,163 @@
+"""`shardkit launch` leaves no process behind and names the rank at fault: real processes,
+real signals, the process table, and JAX's own coordinator."""
+
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+WORKER = str(pathlib.Path(__file__).parent / "launch_worker.py")
+ENV = {**os.environ, "XLA_FLAGS": "", "SHARDKIT_HEARTBEAT_S": "3"}
+
+
+def start(*args, nproc=2, extra=()):
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardkit.cli", "launch", "--nproc", str(nproc), *extra, "--", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+
+
+def pids_from(launcher, count):
+    """Read the launcher's output until ``count`` ranks printed their pids: {rank: [pids]}."""
+    found = {}
+    deadline = time.time() + 120
+    while len(found) < count and time.time() < deadline:
+        line = launcher.stdout.readline()
+        match = re.match(r"\[rank (\d+)\] pid (\d+)(?: child (\d+))?", line)
+        if match:
+            found[int(match.group(1))] = [int(x) for x in match.groups()[1:] if x]
+    assert len(found) == count, f"only {found} started"
+    return found
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too, once its parent reaps it
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def processes_with(marker):
+    """PIDs whose command line holds ``marker``, from the process table."""
+    pids = []
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker in cmdline.read_bytes().decode(errors="replace"):
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return [p for p in pids if p != os.getpid() and alive(p)]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_signal_to_the_launcher_stops_every_worker_and_their_children(signum):
+    marker = f"launch-test-child-{signum}"
+    launcher = start(sys.executable, WORKER, "sleep", marker)
+    pids = pids_from(launcher, 2)
+    everyone = [p for group in pids.values() for p in group]
+    assert all(alive(p) for p in everyone)
+    launcher.send_signal(signum)
+    assert launcher.wait(timeout=30) == 128 + signum
+    assert f"received {signal.Signals(signum).name}; passing it to every rank" in launcher.stderr.read()
+    time.sleep(0.2)
+    assert not [p for p in everyone if alive(p)]
+    assert not processes_with(marker)
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace_period():
+    launcher = start(sys.executable, WORKER, "stubborn", "launch-test-stubborn", extra=("--grace", "1"))
+    pids = pids_from(launcher, 2)
+    launcher.send_signal(signal.SIGTERM)
+    start_wait = time.time()
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    assert time.time() - start_wait < 10
+    time.sleep(0.2)
+    assert not [p for group in pids.values() for p in group if alive(p)]
+
+
+def test_a_stalled_rank_is_named_not_the_healthy_one():
+    launcher = start(sys.executable, WORKER, "sync", extra=("--devices-per-proc", "1"))
+    pids = pids_from(launcher, 2)
+    time.sleep(1)  # synchronising
+    os.kill(pids[1][0], signal.SIGSTOP)
+    code = launcher.wait(timeout=120)
+    stderr = launcher.stderr.read()
+    assert code != 0
+    assert "rank 1 is stalled: stopped (process state T" in stderr, stderr
+    assert "rank 0 failed because of it, not on its own" in stderr
+    time.sleep(0.2)
+    assert not alive(pids[1][0]) and not alive(pids[0][0])
+
+
+def test_two_processes_with_one_process_id_are_named():
+    # Rank 2 claims id 1 as well: JAX's coordinator refuses it and stops the job.
+    script = 'if [ "$SHARDKIT_PROCESS_ID" = 2 ]; then export SHARDKIT_PROCESS_ID=1; fi; exec "$0" "$@"'
+    launcher = start("sh", "-c", script, sys.executable, WORKER, "sync", nproc=3, extra=("--devices-per-proc", "1"))
+    code = launcher.wait(timeout=180)
+    stderr = launcher.stderr.read()
+    assert code != 0
+    assert "two processes registered under one process id" in stderr, stderr
+
+
+def test_a_busy_coordinator_port_is_named():
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        launcher = start(sys.executable, WORKER, "init", extra=("--port", str(port), "--devices-per-proc", "1"))
+        start_wait = time.time()
+        code = launcher.wait(timeout=120)
+        out = launcher.stdout.read()
+    assert code == 2 and time.time() - start_wait < 60
+    assert f"Coordinator port {port} is already in use on this host" in out
+
+
+def test_process_counts_that_disagree_are_caught_through_the_coordinator():
+    port = str(_free_port())
+    common = {**ENV, "SHARDKIT_COORDINATOR": f"127.0.0.1:{port}", "SHARDKIT_LOCAL_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
+    first = subprocess.Popen(
+        [sys.executable, WORKER, "init"],
+        env={**common, "SHARDKIT_NUM_PROCESSES": "2", "SHARDKIT_PROCESS_ID": "0"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    second = subprocess.run(
+        [sys.executable, WORKER, "init"],
+        env={**common, "SHARDKIT_NUM_PROCESSES": "3", "SHARDKIT_PROCESS_ID": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    first.wait(timeout=120)
+    assert second.returncode == 2
+    assert "started as process 1 of 3" in second.stderr and "runs a job of 2 processes" in second.stderr
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unknown_command_is_refused_before_anything_starts():
+    result = subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", "launch", "--nproc", "2", "--", "no-such-command-xyz"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "command 'no-such-command-xyz' not found on PATH" in result.stderr
