@@ -354,6 +354,8 @@ class Checkpointer:
           CheckpointDamaged: the named ``step`` is damaged (its files or arrays fail their checks).
         """
         self.warnings = []
+        if not self.directory.is_dir():
+            raise ShardkitError(f"Checkpoint directory {self.directory} does not exist; check the path.")
         if step is not None:
             self._check_step(step)
             return self._restore_step(trainer, step, run, reset_optimizer, allow_schedule_change)

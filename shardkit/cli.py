@@ -17,10 +17,21 @@ from shardkit.parallel.schedule import SCHEDULES
 DEFAULT_SIMULATED_DEVICES = 8
 
 
+def _check_device_count(n: int) -> None:
+    from shardkit.errors import ShardkitError
+
+    if n < 1:
+        raise ShardkitError(f"--devices {n}: simulate at least 1 device (default {DEFAULT_SIMULATED_DEVICES}).")
+
+
 def _use_simulated_devices_if_no_accelerator(n: int) -> None:
     """Ask for ``n`` CPU devices before JAX starts; a GPU/TPU, if present, still wins."""
+    _check_device_count(n)
     import jax
+    from jax._src import xla_bridge
 
+    if xla_bridge.backends_are_initialized():  # called in-process (a notebook, a test): devices are set
+        return
     # Only the CPU backend reads this option, so it is harmless where an accelerator is present.
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         jax.config.update("jax_num_cpu_devices", n)
@@ -28,10 +39,10 @@ def _use_simulated_devices_if_no_accelerator(n: int) -> None:
 
 def _simulate_exactly(n: int) -> None:
     """Plans are compiled for simulated CPU devices, whatever hardware this machine has."""
-    import jax
+    _check_device_count(n)
+    from shardkit.devices import simulate_devices
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", n)
+    simulate_devices(n)
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:

@@ -89,6 +89,13 @@ class TextDataset:
 
     @classmethod
     def from_bytes(cls, text: bytes, seed: int = 0) -> TextDataset:
+        """Byte tokens of ``text`` (UTF-8 bytes; encode a ``str`` first)."""
+        if not isinstance(text, (bytes, bytearray, memoryview)):
+            raise ShardkitError(
+                f"TextDataset.from_bytes takes bytes, got {type(text).__name__}. Fix: pass text.encode('utf-8')."
+            )
+        if not len(text):
+            raise ShardkitError("TextDataset.from_bytes got empty text; give it some text to train on.")
         return cls(np.frombuffer(text, dtype=np.uint8).copy(), seed)
 
     @classmethod
@@ -119,6 +126,9 @@ class TextDataset:
         Returns:
           ``{"tokens": (rows of this process, seq_len + 1) int32}``; only those rows are read.
         """
+        for name, value, least in (("step", step, 0), ("batch_size", batch_size, 1), ("seq_len", seq_len, 1)):
+            if not isinstance(value, (int, np.integer)) or value < least:
+                raise ShardkitError(f"TextDataset.batch: {name}={value!r}; give an integer >= {least}.")
         if len(self.tokens) <= seq_len + 1:
             raise ShardkitError(
                 f"The text has {len(self.tokens)} tokens, too few for windows of seq_len+1={seq_len + 1}. "

@@ -114,6 +114,8 @@ def initialize(
         spec = dataclasses.replace(spec, local_devices=local_devices)
     if spec is None or spec.num_processes == 1:
         return None
+    if spec.num_processes is not None and spec.process_id is not None and not 0 <= spec.process_id < spec.num_processes:
+        raise ShardkitError(f"Process id {spec.process_id} is outside 0..{spec.num_processes - 1}.")
     if jax_distributed.global_state.client is not None:  # already joined: the second call is harmless
         if jax.process_count() != spec.num_processes or (
             spec.process_id is not None and jax.process_index() != spec.process_id
@@ -128,8 +130,6 @@ def initialize(
             "shardkit.distributed.initialize() must run before JAX starts its backend (before any array or "
             "jax.devices()). Call it first thing in the script."
         )
-    if spec.num_processes is not None and spec.process_id is not None and not 0 <= spec.process_id < spec.num_processes:
-        raise ShardkitError(f"Process id {spec.process_id} is outside 0..{spec.num_processes - 1}.")
     if spec.coordinator and spec.process_id == 0:
         _check_port_free(spec.coordinator)
     if spec.coordinator and spec.process_id not in (0, None):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax._src import xla_bridge
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, short_repr
 from shardkit.mesh import Layout
 from shardkit.model import Model
 from shardkit.model_source import ModelSource, build_model, factory_ref, is_factory_ref, load_factory
@@ -48,6 +48,16 @@ class DryRunConfig:
     scan_layers: bool = True
     n_layers: int | None = None  # override the preset's depth (compile-time studies)
     devices: int | None = None  # needed only when the layout has a -1
+
+    def __post_init__(self) -> None:
+        for name, least in (("batch", 1), ("microbatches", 1), ("virtual_stages", 1)):
+            if getattr(self, name) < least:
+                raise ShardkitError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(self, name)}.")
+        for name in ("seq", "n_layers", "devices"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                flag = {"n_layers": "layers"}.get(name, name)
+                raise ShardkitError(f"--{flag} {value}: give a positive number.")
 
     def num_devices(self) -> int:
         layout = Layout.parse(self.layout)
@@ -88,6 +98,7 @@ class DryRunConfig:
 def _factory_trainer(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> tuple[Trainer, dict[str, Any]]:
     """The trainer of a user's model factory: next-token loss on ``(batch, seq + 1)`` tokens."""
     label = cfg.model
+    factory = factory or load_factory(label)  # a misnamed factory is the first thing to fix
     if cfg.seq is None:
         raise ShardkitError(f"Model {label} is your own: give the sequence length (--seq N, or seq=N) for a dry run.")
     changed = [
@@ -100,7 +111,7 @@ def _factory_trainer(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> 
             f"{', '.join(changed)} change shardkit's GPT presets only; model {label} is built by its factory. "
             "Fix: drop them, and set remat or the depth in your factory."
         )
-    return _trainer_and_batch(build_model(factory or load_factory(label), label), cfg, cfg.seq)
+    return _trainer_and_batch(build_model(factory, label), cfg, cfg.seq)
 
 
 def _trainer_and_batch(model: Model, cfg: DryRunConfig, seq: int) -> tuple[Trainer, dict[str, Any]]:
@@ -179,6 +190,11 @@ def dryrun(
     if isinstance(model, Model):  # a model in hand: this process only (no name to import it by)
         model = (lambda m: lambda: m)(model)
     factory = model if callable(model) else None
+    if model is not None and factory is None and not isinstance(model, str):
+        raise ShardkitError(
+            f"dryrun(model={short_repr(model)}): give a GPT preset name, a 'package.module:function' factory name, a "
+            "function returning a shardkit Model, or a Model."
+        )
     if cfg is None:
         name = getattr(factory, "__name__", "model") if factory is not None else model
         cfg = DryRunConfig(**({"model": name} if name is not None else {}), **kwargs)

@@ -37,7 +37,9 @@ def vocab_size(abstract_params: Any, axes: Any) -> int | None:
     return None
 
 
-def check_host_batch(batch: Mapping[str, Any], *, vocab: int | None, needs_tokens: bool) -> None:
+def check_host_batch(
+    batch: Mapping[str, Any], *, vocab: int | None, needs_tokens: bool, max_seq: int | None = None
+) -> None:
     """Refuse a batch that would train on garbage, naming the entry and the values.
 
     Args:
@@ -45,6 +47,7 @@ def check_host_batch(batch: Mapping[str, Any], *, vocab: int | None, needs_token
       vocab: the model's vocabulary size (token ids must lie in ``[0, vocab)``), or None if unknown.
       needs_tokens: the loss reads ``batch["tokens"]`` as ``(B, T + 1)`` integer ids (shardkit's
         default next-token loss).
+      max_seq: the longest sequence the model takes (its positions), or None if unbounded.
 
     Raises:
       ShardkitError: not a dict of arrays, a missing, non-integer or 1-D ``tokens``, token ids out
@@ -65,6 +68,11 @@ def check_host_batch(batch: Mapping[str, Any], *, vocab: int | None, needs_token
             raise ShardkitError(
                 f"batch['tokens'] must be (batch, seq + 1) token ids, got shape {np.shape(tokens)}. "
                 "Fix: stack sequences into a 2-D array with one extra token per row (the last target)."
+            )
+        if max_seq is not None and np.shape(tokens)[1] - 1 > max_seq:
+            raise ShardkitError(
+                f"batch['tokens'] holds sequences of {np.shape(tokens)[1] - 1} tokens (+1 target); the model takes at "
+                f"most max_seq={max_seq}. Fix: a shorter sequence, or a model with a larger max_seq."
             )
     for name, value in batch.items():
         dtype = getattr(value, "dtype", None)

@@ -95,6 +95,10 @@ class Layout:
         types: dict[str, str] = {}
         across: tuple[str, ...] = ()
         custom: tuple[str, ...] = ()
+        if not str(text).strip():
+            raise ShardkitError(
+                "The layout is empty: give mesh axis sizes, e.g. 'data=8' or 'data=2,fsdp=-1,tensor=2'."
+            )
         for part in (p.strip() for p in str(text).split(",")):
             if not part:
                 continue

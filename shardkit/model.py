@@ -21,7 +21,7 @@ from flax import linen as nn
 from flax import nnx
 
 from shardkit.boundaries import batch_in_flight, constrain_outputs, linen_boundaries, nnx_boundaries
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, short_repr
 from shardkit.partition import Axes, RegexRule, linen_axes, nnx_axes, path_str, regex_axes
 
 Params = Any
@@ -161,6 +161,11 @@ def from_nnx(
       >>> import shardkit as sk
       >>> model = sk.from_nnx(lambda rngs: sk.models.MLP(sk.models.MLPConfig(), rngs=rngs))
     """
+    if not (isinstance(make, nnx.Module) or callable(make)):
+        raise ShardkitError(
+            f"from_nnx takes a function of rngs that builds the module (lambda rngs: MyModel(..., rngs=rngs)) or a "
+            f"module, got {short_repr(make)}."
+        )
     instance = make if isinstance(make, nnx.Module) else None
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: instance if instance is not None else make(nnx.Rngs(0)))

@@ -20,7 +20,7 @@ ModelSource = str | Callable[[], Model]
 
 def is_factory_ref(name: str) -> bool:
     """``pkg.module:factory`` (a factory) rather than a preset name."""
-    return ":" in name
+    return isinstance(name, str) and ":" in name
 
 
 def factory_ref(factory: Callable[[], Model]) -> str:

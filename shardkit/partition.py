@@ -31,7 +31,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, short_repr
 from shardkit.rules import Fallback, Rules, check_spec, resolve
 
 # flax 0.12.4+ calls its key 'out_sharding' (earlier: 'sharding_names', 'sharding'); it holds
@@ -167,8 +167,16 @@ def regex_axes(
       >>> t["dense"]["kernel"].names
       ('embed', 'mlp')
     """
+    if isinstance(patterns, Mapping):  # {regex: names} reads as well as a list of pairs
+        patterns = list(patterns.items())
     compiled = []
-    for pattern, target in patterns:
+    for rule in patterns:
+        if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
+            raise ShardkitError(
+                f"Regex rule {short_repr(rule)} is not a (regex, names) pair, e.g. (r'mlp/.*/kernel$', "
+                "('embed', 'mlp')); pass a list of such pairs or a dict {regex: names}."
+            )
+        pattern, target = rule
         try:
             compiled.append((re.compile(pattern), pattern, target))
         except re.error as e:
@@ -193,6 +201,12 @@ def regex_axes(
                     return Axes()
                 if isinstance(target, PartitionSpec):
                     return Axes(spec=target)
+                if len(tuple(target)) != len(leaf.shape):
+                    raise ShardkitError(
+                        f"Regex rule {pattern!r} gives {key} (shape {tuple(leaf.shape)}) {len(tuple(target))} names "
+                        f"{tuple(target)}; it has {len(leaf.shape)} dimensions. Fix: one name per dimension (None for "
+                        "a dimension left whole), or a narrower pattern."
+                    )
                 return Axes(tuple(target))
         if model_annotates:
             return mine if mine is not None else Axes()

@@ -174,6 +174,9 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
     )
     print(trainer.format_sharding_table(), file=out)
 
+    # The batch shape is known now: refuse one that does not split, before anything is compiled.
+    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), np.int32)
+    trainer.plan.check_microbatches({"tokens": tokens}, cfg.microbatches)
     rows = trainer.local_rows(cfg.batch)
     first_step = 0
     run = run_fingerprint(cfg, dataset)

@@ -25,7 +25,7 @@ from shardkit.losses import LossFn, cross_entropy, like, mse_loss, next_token_lo
 from shardkit.mesh import Layout, as_layout
 from shardkit.model import Model
 from shardkit.parallel.schedule import Schedule
-from shardkit.partition import use_sharding
+from shardkit.partition import path_str, use_sharding
 from shardkit.precision import Precision, as_precision
 from shardkit.report import Report, build_report
 from shardkit.rules import RulesLike, as_rules, default_rules, tensor_sequence_parallel
@@ -139,6 +139,8 @@ class Trainer:
         if not isinstance(max_skips, int) or isinstance(max_skips, bool) or max_skips < 0:
             raise ShardkitError(f"max_skips={max_skips!r}: give a count >= 0 (0: never escalate).")
         devices = list(jax.devices() if devices is None else devices)
+        if not devices:
+            raise ShardkitError("devices=[]: give at least one device (default: all of jax.devices()).")
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.precision, self.microbatches, self.nonfinite = as_precision(precision), microbatches, nonfinite
         self.max_skips, self.skipped_in_a_row = max_skips, 0
@@ -224,7 +226,9 @@ class Trainer:
         checked first (:func:`shardkit.inputs.check_host_batch`): token ids within the model's
         vocabulary, no NaN in floating-point entries, a 2-D ``tokens`` for the default loss.
         """
-        check_host_batch(batch, vocab=self.vocab, needs_tokens=self.loss is next_token_loss)
+        check_host_batch(
+            batch, vocab=self.vocab, needs_tokens=self.loss is next_token_loss, max_seq=self.model.info.get("max_seq")
+        )
         n = jax.process_count()
         shapes = {
             k: jax.ShapeDtypeStruct((v.shape[0] * n, *v.shape[1:]) if v.ndim else (), v.dtype) for k, v in batch.items()
@@ -295,6 +299,7 @@ class Trainer:
                 "This train state was donated to an earlier step (its buffers now hold the next state). "
                 "Fix: continue from the state that step returned: state, metrics = trainer.step(state, batch)."
             )
+        self._check_state_layout(state)
         new_state, metrics = self.compile(batch)(state, batch)
         if self.nonfinite is None:
             return new_state, metrics
@@ -307,6 +312,24 @@ class Trainer:
             if self.max_skips and self.skipped_in_a_row >= self.max_skips:
                 raise halted(new_state, metrics, in_a_row=self.skipped_in_a_row)
         return new_state, metrics
+
+    def _check_state_layout(self, state: TrainState) -> None:
+        """Refuse a state laid out for another trainer (JAX would fail with a list of mismatches)."""
+        flat = jax.tree_util.tree_flatten_with_path(state)[0]
+        expected = jax.tree.leaves(self.state_shardings)
+        if len(flat) != len(expected):
+            raise ShardkitError(
+                f"This state has {len(flat)} arrays, this trainer's {len(expected)}: it belongs to another model or "
+                "optimizer. Fix: use the state from this trainer's init(), restore(), or step()."
+            )
+        for (path, leaf), sharding in zip(flat, expected, strict=True):
+            have = getattr(leaf, "sharding", None)
+            if isinstance(leaf, jax.Array) and have is not None and not have.is_equivalent_to(sharding, leaf.ndim):
+                raise ShardkitError(
+                    f"The state's {path_str(path)} is laid out as {short_repr(have)}, not as this trainer's layout "
+                    f"{self.layout.spec()} expects. Fix: move it with jax.device_put(state, trainer.state_shardings), "
+                    "or restore a checkpoint into this trainer."
+                )
 
     # -- explaining ---------------------------------------------------------------------------
     def report(self, batch: Mapping[str, Any]) -> Report:

@@ -56,6 +56,13 @@ REMAT_POLICIES: dict[str, Any] = {
 }
 
 
+def _is_float_dtype(name: str) -> bool:
+    try:
+        return jnp.issubdtype(jnp.dtype(name), jnp.floating)
+    except TypeError:
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """Shape and behaviour of :class:`GPT`. ``GPTConfig.preset(name, **overrides)`` for presets."""
@@ -81,6 +88,16 @@ class GPTConfig:
     aux_loss_weight: float = 0.01
 
     def __post_init__(self) -> None:
+        for name in ("vocab", "dim", "n_layers", "n_heads", "n_kv_heads", "mlp_dim", "max_seq"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ShardkitError(f"GPTConfig: {name}={value!r} must be a positive integer.")
+        for name in ("param_dtype", "dtype"):
+            value = getattr(self, name)
+            if value is not None and not _is_float_dtype(value):
+                raise ShardkitError(
+                    f"GPTConfig: {name}={value!r} is not a floating-point dtype; use 'float32' or 'bfloat16'."
+                )
         if self.dim % self.n_heads:
             raise ShardkitError(f"GPTConfig: dim={self.dim} must divide by n_heads={self.n_heads}.")
         if self.n_heads % self.n_kv_heads:
@@ -117,6 +134,12 @@ class GPTConfig:
                 f"Unknown GPT preset {short_repr(name)}. Choose one of: {', '.join(_PRESETS)}, or pass your own "
                 "model factory ('package.module:function')."
             )
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ShardkitError(
+                f"GPTConfig.preset({name!r}) got unknown settings {unknown}; GPTConfig has {', '.join(sorted(fields))}."
+            )
         return cls(**{**_PRESETS[name], **overrides})
 
     @staticmethod
@@ -129,7 +152,12 @@ class GPTConfig:
         Example:
           >>> model = GPTConfig.preset("tiny").model()
         """
-        info = {"layers": self.n_layers, "dim": self.dim, "matmul_params": self.num_params() - self.vocab * self.dim}
+        info = {
+            "layers": self.n_layers,
+            "dim": self.dim,
+            "matmul_params": self.num_params() - self.vocab * self.dim,
+            "max_seq": self.max_seq,
+        }
         return from_nnx(
             lambda rngs: GPT(self, rngs=rngs),
             name=name or "GPT",
