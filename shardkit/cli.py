@@ -220,7 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             # Every TrainConfig field is a flag of the same name: the config is declared once.
             cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
-            train(cfg)
+            result = train(cfg)
+            if "stopped_by" in result:  # SIGTERM/SIGINT: saved and stopped, exit as if killed by it
+                return 128 + int(result["stopped_by"])
         elif args.command == "plan":
             from shardkit.plan import run_cli as plan_cli
 

@@ -24,6 +24,7 @@ from shardkit.data import TextDataset, load_text
 from shardkit.errors import ShardkitError
 from shardkit.generate import generate
 from shardkit.models.gpt import GPTConfig
+from shardkit.stopping import StopRequests
 from shardkit.train import NonFiniteError, Trainer
 
 
@@ -202,7 +203,9 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
     skipped: list[int] = []
     step_tokens = cfg.batch * cfg.seq
     timed_seconds, timed_steps = 0.0, 0
+    stopped_after: int | None = None
     with contextlib.ExitStack() as stack:
+        stop = stack.enter_context(StopRequests())
         log = None
         if cfg.json_log and jax.process_index() == 0:  # one writer, whatever the process count
             log = stack.enter_context(open_json_log(pathlib.Path(cfg.json_log), first_step))
@@ -235,9 +238,23 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
                 log.flush()
             if bar is not None:
                 bar.update(step + 1, loss, tokens_per_s)
+            stopping = stop.requested()
             if ckpt is not None:
                 # Periodic saves run in the background; data_position is the next batch to read.
-                ckpt.save(trainer, state, data_position=step + 1, run=run, force=step + 1 == cfg.steps)
+                ckpt.save(trainer, state, data_position=step + 1, run=run, force=step + 1 == cfg.steps or stopping)
+            if stopping:
+                stopped_after = step + 1
+                break
+    if stopped_after is not None:
+        if ckpt is not None:
+            ckpt.close()
+        how = (
+            f"checkpoint step {int(state.step)} saved in {cfg.checkpoint_dir}; run the same command to resume"
+            if ckpt is not None
+            else "nothing saved (no --checkpoint-dir)"
+        )
+        print(f"stopped by {stop.signal_name} after step {stopped_after}: {how}", file=sys.stderr)
+        return {"losses": losses, "state": state, "trainer": trainer, "stopped_by": stop.received[0]}
     if ckpt is not None:
         if first_step >= cfg.steps:
             print(f"checkpoint at step {first_step} already reaches --steps {cfg.steps}; nothing to train", file=out)

@@ -22,6 +22,8 @@ LAYERS = {
         "data",
         "distributed",
         "launch",
+        "dirlock",
+        "stopping",
     },
     1: {
         "partition",
@@ -34,6 +36,8 @@ LAYERS = {
         "state",
         "losses",
         "sharding",
+        "inputs",
+        "checksums",
     },
     2: {"report"},
     3: {"steps", "train", "checkpoint"},

@@ -7,11 +7,14 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import numpy as np
@@ -348,3 +351,27 @@ def test_the_cli_on_a_full_disk_prints_one_error_and_no_traceback(tmp_path):
             and "earlier checkpoints are intact" in errors[0]
         )
         assert not list((full / "run").glob("*tmp*"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_saves_and_the_same_command_resumes(tmp_path, signum):
+    log = tmp_path / "log.jsonl"
+    command = [sys.executable, "-m", "shardkit.cli", "train", "--model", "tiny", "--layout", "data=8"]
+    command += ["--steps", "300", "--batch", "8", "--seq", "32", "--sample-tokens", "0"]
+    command += ["--checkpoint-every", "1000", "--checkpoint-dir", str(tmp_path / "ck"), "--json-log", str(log)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, stderr[-2000:]
+    name = signal.Signals(signum).name
+    match = re.search(rf"stopped by {name} after step (\d+): checkpoint step (\d+) saved .* same command", stderr)
+    assert match and match.group(1) == match.group(2) and "Traceback" not in stderr, stderr[-2000:]
+    saved = int(match.group(2))
+    assert Checkpointer(tmp_path / "ck").steps() == [saved] and 3 <= saved < 300
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resumed from {tmp_path / 'ck'} at step {saved}" in again.stdout
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(1, 301))
