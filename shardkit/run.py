@@ -24,6 +24,7 @@ from shardkit.data import TextDataset, load_text
 from shardkit.errors import ShardkitError
 from shardkit.generate import generate
 from shardkit.models.gpt import GPTConfig
+from shardkit.progress import Progress
 from shardkit.stopping import StopRequests
 from shardkit.train import NonFiniteError, Trainer
 
@@ -40,26 +41,6 @@ OPTIMIZERS: dict[str, Callable[[TrainConfig], optax.GradientTransformation]] = {
     "sgd": lambda c: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(_schedule(c), momentum=0.9)),
 }
 assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "config.OPTIMIZER_NAMES lists the optimizers the CLI offers"
-
-
-class Progress:
-    """A one-line progress bar on a terminal, a line every tenth of the run elsewhere."""
-
-    def __init__(self, total: int, out: TextIO = sys.stderr) -> None:
-        self.total, self.out = total, out
-        self.tty = out.isatty()
-
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        width = 30
-        done = int(width * step / self.total)
-        bar = "#" * done + "." * (width - done)
-        line = f"step {step:>5}/{self.total} [{bar}] loss {loss:7.4f}  {tokens_per_s:,.0f} tok/s"
-        if self.tty:
-            self.out.write("\r" + line + ("\n" if step == self.total else ""))
-            self.out.flush()
-        elif step == 1 or step == self.total or step % max(self.total // 10, 1) == 0:
-            self.out.write(line + "\n")
-            self.out.flush()
 
 
 def run_fingerprint(cfg: TrainConfig, dataset: TextDataset) -> dict[str, dict[str, Any]]:
@@ -198,7 +179,9 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
         )
     else:
         state = trainer.init(cfg.seed)
-    bar = Progress(cfg.steps) if progress and jax.process_index() == 0 else None
+    bar = Progress(cfg.steps, cfg.batch * cfg.seq, first=first_step) if progress and jax.process_index() == 0 else None
+    if bar is not None and first_step < cfg.steps:
+        bar.note(f"compiling the train step ({trainer.layout.spec()}, batch {cfg.batch} x seq {cfg.seq})")
     losses: list[float] = []
     skipped: list[int] = []
     step_tokens = cfg.batch * cfg.seq
@@ -237,7 +220,7 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
                 log.write(json.dumps(record) + "\n")
                 log.flush()
             if bar is not None:
-                bar.update(step + 1, loss, tokens_per_s)
+                bar.update(step + 1, loss, seconds)
             stopping = stop.requested()
             if ckpt is not None:
                 # Periodic saves run in the background; data_position is the next batch to read.
@@ -269,8 +252,18 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
         f"{np.mean(head):.4f} -> {np.mean(tail):.4f}); {mean_tps:,.0f} tokens/s after compile",
         file=out,
     )
+    memory = trainer.compile(batch).memory_analysis()
+    per_device = (memory.argument_size_in_bytes + memory.temp_size_in_bytes) / 2**20 if memory else float("nan")
+    print(
+        f"summary: {len(losses)} steps on {devices} {jax.devices()[0].platform} device(s), layout "
+        f"{trainer.layout.spec()}; {mean_tps:,.0f} tokens/s; {per_device:,.1f} MiB per device (state + temporaries, "
+        f"from the compiled step)",
+        file=out,
+    )
     sample = ""
     if cfg.sample_tokens > 0:
+        if bar is not None:
+            bar.note(f"sampling {cfg.sample_tokens} tokens")
         prompt = dataset.encode(cfg.prompt) if cfg.prompt else dataset.tokens[:1].astype(np.int32)
         tokens = generate(model, state.params, prompt, cfg.sample_tokens, cfg.seq, seed=cfg.seed)
         sample = dataset.decode(tokens)

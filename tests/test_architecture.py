@@ -24,6 +24,7 @@ LAYERS = {
         "launch",
         "dirlock",
         "stopping",
+        "progress",
     },
     1: {
         "partition",

@@ -1,6 +1,8 @@
 """The built-in corpus, per-step batches, and the `shardkit train` command end to end."""
 
+import io
 import json
+import re
 import subprocess
 import sys
 
@@ -9,6 +11,7 @@ import pytest
 from helpers import run_cli
 
 import shardkit as sk
+from shardkit.progress import Progress
 
 
 def test_builtin_corpus_is_real_text():
@@ -74,6 +77,25 @@ def test_shardkit_train_end_to_end(tmp_path):
     assert all(set(r) >= {"step", "loss", "tokens_per_s"} for r in records)
     assert np.mean([r["loss"] for r in records[-5:]]) < np.mean([r["loss"] for r in records[:5]]) - 1.0
     assert "step    25/25" in result.stderr  # progress bar
+    # What it is doing, and speed without the compile.
+    err = result.stderr
+    assert err.index("compiling the train step") < err.index("compiled in") < err.index("step    25/25")
+    assert re.search(r"step    25/25 .* tok/s \| \d+ ms/step \| elapsed \d+:\d\d \| eta 0:00", err)
+    assert "sampling 20 tokens" in err
+    assert re.search(
+        r"summary: 25 steps on 8 cpu device\(s\), layout data=2,fsdp=2,tensor=2; [\d,]+ tokens/s; [\d.]+ MiB", out
+    )
+
+
+def test_progress_leaves_the_compile_out_of_the_speed():
+    out = io.StringIO()
+    progress = Progress(total=100, tokens_per_step=1000, out=out)
+    progress.update(1, loss=5.0, seconds=30.0)  # the compile
+    for step in range(2, 11):
+        progress.update(step, loss=4.0, seconds=0.5)
+    text = out.getvalue()
+    assert "compiled in 30.0 s" in text
+    assert "step    10/100" in text and "2,000 tok/s | 500 ms/step" in text and "eta 0:45" in text
 
 
 def test_shardkit_train_bad_layout_exits_with_the_fix():
