@@ -7,14 +7,71 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from shardkit import __version__
 from shardkit.config import OPTIMIZER_NAMES, PRECISION_NAMES, TrainConfig
 from shardkit.parallel.schedule import SCHEDULES
 
 DEFAULT_SIMULATED_DEVICES = 8
+
+
+# Names other training tools use for shardkit's flags.
+OTHER_NAMES = {
+    "--learning-rate": "--lr",
+    "--learning_rate": "--lr",
+    "--batch-size": "--batch",
+    "--batch_size": "--batch",
+    "--global-batch-size": "--batch",
+    "--seq-len": "--seq",
+    "--seq_len": "--seq",
+    "--max-seq-len": "--seq",
+    "--max-steps": "--steps",
+    "--max_steps": "--steps",
+    "--num-steps": "--steps",
+    "--output-dir": "--checkpoint-dir",
+    "--save-dir": "--checkpoint-dir",
+    "--mesh": "--layout",
+    "--grad-accum": "--microbatches",
+    "--gradient-accumulation-steps": "--microbatches",
+    "--dtype": "--precision",
+}
+
+
+class SuggestingParser(argparse.ArgumentParser):
+    """argparse, plus "did you mean" for a misspelt flag or subcommand."""
+
+    def _all_options(self) -> set[str]:
+        options = set(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    options |= set(sub._option_string_actions)
+        return options
+
+    def error(self, message: str) -> NoReturn:
+        import difflib
+
+        hints = []
+        if message.startswith("unrecognized arguments:"):
+            for token in message.split(":", 1)[1].split():
+                flag = token.split("=", 1)[0]
+                if flag in OTHER_NAMES:
+                    hints.append(f"{flag}: shardkit calls it {OTHER_NAMES[flag]}")
+                elif flag.startswith("-"):
+                    close = difflib.get_close_matches(flag, sorted(self._all_options()), n=1, cutoff=0.6)
+                    if close:
+                        hints.append(f"{flag}: did you mean {close[0]}?")
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            options = re.findall(r"'?([\w.-]+)'?", choice.group(2))
+            close = difflib.get_close_matches(choice.group(1), options, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"did you mean '{close[0]}'?")
+        super().error(message + "".join(f"\n  {h}" for h in hints))
 
 
 def _check_device_count(n: int) -> None:
@@ -160,7 +217,7 @@ def _inspect(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand's flags; building it imports no JAX (``shardkit --help`` answers at once)."""
-    parser = argparse.ArgumentParser(prog="shardkit", description="Train Flax models with JAX SPMD sharding.")
+    parser = SuggestingParser(prog="shardkit", description="Train Flax models with JAX SPMD sharding.")
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)

@@ -36,3 +36,21 @@ def test_learning_rate_must_be_finite_and_positive(lr):
 
     with pytest.raises(sk.ShardkitError, match="finite positive"):
         TrainConfig(lr=lr)
+
+
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["train", "--precison", "bf16"], "--precison: did you mean --precision?"),
+        (["train", "--learning-rate", "0.1"], "--learning-rate: shardkit calls it --lr"),
+        (["trian"], "did you mean 'train'?"),
+        (["train", "--optimizer", "adam"], "did you mean 'adamw'?"),
+        (["dryrun", "--layot", "fsdp=8"], "--layot: did you mean --layout?"),
+    ],
+)
+def test_a_misspelt_flag_or_choice_gets_a_suggestion(argv, hint, capsys):
+    from shardkit.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2 and hint in capsys.readouterr().err
