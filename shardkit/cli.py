@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     dry = sub.add_parser("dryrun", help="compile a train step for N simulated devices; print memory and collectives")
     _plan_arguments(dry, "fsdp=8")
     dry.add_argument("--json", action="store_true", help="print the result as JSON")
+    dry.add_argument(
+        "--hardware", default="h100", help="say whether it fits one device of this: h100, h200, a100, tpu-v5p, tpu-v5e"
+    )
     ins = sub.add_parser("inspect", help="per-parameter shardings, collectives, memory and warnings")
     _plan_arguments(ins, "data=2,fsdp=2,tensor=2")
     ins.set_defaults(model="tiny", seq=None)
@@ -290,8 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             _simulate_exactly(cfg.num_devices())
             if args.command == "dryrun":
                 from shardkit.dryrun import run_cli
+                from shardkit.hardware import get_hardware
 
-                run_cli(cfg, args.json)
+                get_hardware(args.hardware)  # an unknown name is refused before the compile
+                run_cli(cfg, args.json, args.hardware)
             else:
                 _inspect(args)
     except ShardkitError as e:

@@ -220,12 +220,38 @@ def _in_subprocess(cfg: DryRunConfig) -> dict[str, Any]:
     return json.loads(proc.stdout)
 
 
-def run_cli(cfg: DryRunConfig, as_json: bool) -> None:
-    """``shardkit dryrun``: print the report table, or its JSON."""
+def memory_verdict(per_device: float, hardware: str) -> dict[str, Any]:
+    """Whether ``per_device`` bytes fit one device of ``hardware``, and by how much they miss.
+
+    Example:
+      >>> memory_verdict(132e9, "h100")["text"].split(":")[0]
+      'does NOT fit one h100 (80.0 GB)'
+    """
+    from shardkit.hardware import get_hardware
+
+    device = get_hardware(hardware)
+    fits = per_device <= device.memory_bytes
+    gb, cap = per_device / 1e9, device.memory_bytes / 1e9
+    if fits:
+        share = 100 * per_device / device.memory_bytes
+        text = f"fits one {device.name} ({cap:.1f} GB): {gb:.2f} GB per device, {share:.0f}% of it"
+    else:
+        text = (
+            f"does NOT fit one {device.name} ({cap:.1f} GB): {gb:.1f} GB per device, {gb - cap:.1f} GB over. Try "
+            "more fsdp, --remat full, more --microbatches, or --precision bf16-master; "
+            "`shardkit plan` searches these for you"
+        )
+    return {"hardware": device.name, "device_bytes": device.memory_bytes, "fits": fits, "text": text}
+
+
+def run_cli(cfg: DryRunConfig, as_json: bool, hardware: str = "h100") -> None:
+    """``shardkit dryrun``: print the report table and whether it fits ``hardware``, or the JSON."""
     start = time.perf_counter()
     result = dryrun(cfg)
+    verdict = memory_verdict(result["memory"]["total"], hardware)
     if as_json:
-        print(json.dumps(result))
+        print(json.dumps({**result, "fits": verdict}))
         return
     print(Report.from_dict(result).table())
+    print(verdict["text"])
     print(f"(dry run took {time.perf_counter() - start:.1f} s)")

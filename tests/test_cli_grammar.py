@@ -1,5 +1,6 @@
 """The command line answers at once, says its version, and refuses bad numbers before any work."""
 
+import re
 import subprocess
 import sys
 
@@ -54,3 +55,20 @@ def test_a_misspelt_flag_or_choice_gets_a_suggestion(argv, hint, capsys):
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(argv)
     assert exit_.value.code == 2 and hint in capsys.readouterr().err
+
+
+def test_dryrun_says_whether_the_plan_fits_the_hardware():
+    from shardkit.dryrun import memory_verdict
+
+    over = memory_verdict(132e9, "h100")
+    assert not over["fits"] and "does NOT fit one h100 (80.0 GB): 132.0 GB per device, 52.0 GB over" in over["text"]
+    assert memory_verdict(132e9, "h200")["fits"]  # 141 GB
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", "dryrun", *"--model tiny --layout fsdp=8".split()]
+        + "--batch 8 --seq 64 --hardware a100".split(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"fits one a100 \(80.0 GB\): 0.0\d GB per device", proc.stdout)
