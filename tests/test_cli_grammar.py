@@ -63,9 +63,9 @@ def test_dryrun_says_whether_the_plan_fits_the_hardware():
     over = memory_verdict(132e9, "h100")
     assert not over["fits"] and "does NOT fit one h100 (80.0 GB): 132.0 GB per device, 52.0 GB over" in over["text"]
     assert memory_verdict(132e9, "h200")["fits"]  # 141 GB
+    flags = ["--model", "tiny", "--layout", "fsdp=8", "--batch", "8", "--seq", "64", "--hardware", "a100"]
     proc = subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", "dryrun", *"--model tiny --layout fsdp=8".split()]
-        + "--batch 8 --seq 64 --hardware a100".split(),
+        [sys.executable, "-m", "shardkit.cli", "dryrun", *flags],
         capture_output=True,
         text=True,
         timeout=300,
