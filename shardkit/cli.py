@@ -248,7 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule of staged plans")
     pln.add_argument("--json", action="store_true")
     lau = sub.add_parser("launch", help="start P processes of a command on this machine (jax.distributed)")
-    lau.add_argument("--nproc", type=int, required=True, help="number of processes")
+    lau.add_argument("--nproc", type=int, required=True, help="number of processes (on this node)")
+    lau.add_argument("--nnodes", type=int, default=1, help="nodes in the job (run the launcher on each)")
+    lau.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
+    lau.add_argument("--coordinator", default=None, help="host:port of node 0 (required with --nnodes > 1)")
+    lau.add_argument("--verbose", action="store_true", help="keep Gloo's connection messages")
     lau.add_argument("--devices-per-proc", type=int, default=None, help="simulated CPU devices per process")
     lau.add_argument("--port", type=int, default=None, help="the coordinator's port (default: a free one)")
     lau.add_argument(
@@ -268,7 +272,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             from shardkit.launch import launch
 
             command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-            return launch(command, args.nproc, args.devices_per_proc, port=args.port, grace_s=args.grace)
+            return launch(
+                command,
+                args.nproc,
+                args.devices_per_proc,
+                port=args.port,
+                nnodes=args.nnodes,
+                node_rank=args.node_rank,
+                coordinator=args.coordinator,
+                grace_s=args.grace,
+                verbose=args.verbose,
+            )
         if args.command == "train":
             from shardkit import distributed
 

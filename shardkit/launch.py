@@ -42,11 +42,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(rank: int, stream: TextIO, out: TextIO, tail: collections.deque[str]) -> None:
+def _pump(rank: int, stream: TextIO, out: TextIO, tail: collections.deque[str], verbose: bool) -> None:
     for line in iter(stream.readline, ""):
         tail.append(line)
+        if not verbose and line.startswith("[Gloo]"):  # connection chatter of every CPU collective group
+            continue
         out.write(f"[rank {rank}] {line}")
         out.flush()
+
+
+def has_accelerator() -> bool:
+    """Whether this machine shows a GPU or TPU device file (cheap: no JAX import)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/accel[0-9]*") or os.path.exists("/dev/kfd"))
+
+
+def devices_from_layout(command: Sequence[str], processes: int) -> int | None:
+    """Simulated CPU devices per process for a command that gives ``--layout`` with fixed sizes,
+    so the job has exactly the layout's devices; None when it cannot tell (no layout, or a -1).
+
+    Example:
+      >>> devices_from_layout(["shardkit", "train", "--layout", "data=2,fsdp=4"], 2)
+      4
+    """
+    from shardkit.mesh import Layout
+
+    text = None
+    for i, arg in enumerate(command):
+        if arg == "--layout" and i + 1 < len(command):
+            text = command[i + 1]
+        elif arg.startswith("--layout="):
+            text = arg.split("=", 1)[1]
+    if text is None:
+        return None
+    layout = Layout.parse(text)
+    if any(size == -1 for _, size in layout.sizes):
+        return None
+    if layout.num_devices % processes:
+        raise ShardkitError(
+            f"Layout {text} has {layout.num_devices} devices: they do not split over {processes} processes. "
+            "Fix: a process count that divides it, or --devices-per-proc."
+        )
+    return layout.num_devices // processes
 
 
 def _check_command(command: Sequence[str]) -> None:
@@ -122,7 +158,11 @@ def launch(
     devices_per_proc: int | None = None,
     *,
     port: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    coordinator: str | None = None,
     grace_s: float = 10.0,
+    verbose: bool = False,
     env: dict[str, str] | None = None,
 ) -> int:
     """Run ``command`` in ``nproc`` processes; return 0, or the exit code of the first to fail
@@ -130,9 +170,14 @@ def launch(
 
     Args:
       command: the program and its arguments, e.g. ``["shardkit", "train", "--layout", ...]``.
-      nproc: number of processes.
-      devices_per_proc: simulated CPU devices per process (sets ``SHARDKIT_LOCAL_DEVICES``).
-      port: the coordinator's port (default: a free one).
+      nproc: number of processes on this node.
+      devices_per_proc: simulated CPU devices per process (sets ``SHARDKIT_LOCAL_DEVICES``); on a
+        machine without GPU/TPU, derived from the command's ``--layout`` when not given.
+      port: the coordinator's port on this machine (one node; default: a free one).
+      nnodes, node_rank, coordinator: several nodes, as torchrun names them: run the launcher once
+        per node with the same ``coordinator`` (``host:port`` of node 0, where process 0 runs);
+        ranks are ``node_rank * nproc + local rank``.
+      verbose: keep Gloo's connection messages in the output.
       grace_s: seconds the workers get to exit after a failure or a signal, before SIGKILL.
       env: extra environment variables for every process.
 
@@ -142,7 +187,19 @@ def launch(
     _check_command(command)
     if nproc < 1:
         raise ShardkitError(f"--nproc {nproc}: launch at least one process.")
-    port = free_port() if port is None else port
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ShardkitError(f"--node-rank {node_rank} of --nnodes {nnodes}: give 0 <= node rank < nodes >= 1.")
+    if nnodes > 1 and not coordinator:
+        raise ShardkitError(
+            f"--nnodes {nnodes}: every node needs the same --coordinator host:port (node 0's address), e.g. "
+            "--coordinator 10.0.0.1:12355."
+        )
+    world = nnodes * nproc
+    if devices_per_proc is None and not has_accelerator():
+        devices_per_proc = devices_from_layout(command, world)
+        if devices_per_proc:
+            sys.stderr.write(f"shardkit launch: {devices_per_proc} simulated CPU devices per process (from --layout)\n")
+    address = coordinator or f"127.0.0.1:{free_port() if port is None else port}"
     received: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum)) for s in FORWARDED_SIGNALS}
     procs: list[subprocess.Popen[str]] = []
@@ -153,9 +210,9 @@ def launch(
             child_env = {
                 **os.environ,
                 **(env or {}),
-                "SHARDKIT_COORDINATOR": f"127.0.0.1:{port}",
-                "SHARDKIT_NUM_PROCESSES": str(nproc),
-                "SHARDKIT_PROCESS_ID": str(rank),
+                "SHARDKIT_COORDINATOR": address,
+                "SHARDKIT_NUM_PROCESSES": str(world),
+                "SHARDKIT_PROCESS_ID": str(node_rank * nproc + rank),
                 "PYTHONUNBUFFERED": "1",
             }
             if devices_per_proc:
@@ -171,7 +228,10 @@ def launch(
             )
             procs.append(p)
             tails.append(collections.deque(maxlen=_TAIL_LINES))
-            t = threading.Thread(target=_pump, args=(rank, p.stdout, sys.stdout, tails[-1]), daemon=True)
+            global_rank = node_rank * nproc + rank
+            t = threading.Thread(
+                target=_pump, args=(global_rank, p.stdout, sys.stdout, tails[-1], verbose), daemon=True
+            )
             t.start()
             pumps.append(t)
         failure = _watch(procs, received, grace_s)
@@ -184,8 +244,9 @@ def launch(
     if failure is None:
         return 0
     rank, code, stalled = failure
-    if rank >= 0:
-        sys.stderr.write(diagnose(rank, code, stalled, tails))
+    if rank >= 0:  # in the job's numbering: this node's ranks start at node_rank * nproc
+        first = node_rank * nproc
+        sys.stderr.write(diagnose(first + rank, code, [first + r for r in stalled], tails))
     return 128 - code if code < 0 else code  # killed by signal N: exit 128 + N, as shells do
 
 
@@ -208,7 +269,7 @@ def _watch(
         if bad:
             rank, code = bad[0]
             stalled = _stalled(procs)  # before stopping them: afterwards every rank is gone
-            sys.stderr.write(f"shardkit launch: rank {rank} failed; stopping the other ranks\n")
+            sys.stderr.write(f"shardkit launch: a rank failed (local rank {rank}); stopping the other ranks\n")
             _stop(procs, grace_s, signal.SIGTERM)
             return rank, code, stalled
         if all(c == 0 for c in codes):

@@ -4,7 +4,8 @@ MODE:
 - sleep MARKER: print the pid, start a child that sleeps (MARKER in its command line), sleep;
 - stubborn MARKER: the same, ignoring SIGTERM;
 - sync: join jax.distributed, print the pid, synchronise with the others every 0.2 s;
-- init: join jax.distributed and exit.
+- join: join jax.distributed, say where this process sits, and exit;
+- init: the same, and one collective with the others first (extra arguments ignored).
 
 A ShardkitError is printed as the CLI would, with exit code 2.
 """
@@ -36,10 +37,15 @@ except ShardkitError as e:
     sys.exit(2)
 import jax
 
-print(f"pid {os.getpid()} process {jax.process_index()} of {jax.process_count()}", flush=True)
-if mode == "sync":
-    from jax.experimental import multihost_utils
+print(
+    f"pid {os.getpid()} process {jax.process_index()} of {jax.process_count()}, "
+    f"{len(jax.local_devices())} local of {len(jax.devices())} devices",
+    flush=True,
+)
+from jax.experimental import multihost_utils
 
+multihost_utils.sync_global_devices("joined")  # one collective: the processes really talk
+if mode == "sync":
     for i in range(300):
         multihost_utils.sync_global_devices(f"tick{i}")
         time.sleep(0.2)

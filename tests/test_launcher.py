@@ -115,7 +115,7 @@ def test_a_busy_coordinator_port_is_named():
         busy.bind(("", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        launcher = start(sys.executable, WORKER, "init", extra=("--port", str(port), "--devices-per-proc", "1"))
+        launcher = start(sys.executable, WORKER, "join", extra=("--port", str(port), "--devices-per-proc", "1"))
         start_wait = time.time()
         code = launcher.wait(timeout=120)
         out = launcher.stdout.read()
@@ -127,22 +127,28 @@ def test_process_counts_that_disagree_are_caught_through_the_coordinator():
     port = str(_free_port())
     common = {**ENV, "SHARDKIT_COORDINATOR": f"127.0.0.1:{port}", "SHARDKIT_LOCAL_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
     first = subprocess.Popen(
-        [sys.executable, WORKER, "init"],
+        [sys.executable, WORKER, "join"],
         env={**common, "SHARDKIT_NUM_PROCESSES": "2", "SHARDKIT_PROCESS_ID": "0"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    second = subprocess.run(
-        [sys.executable, WORKER, "init"],
+    second = subprocess.Popen(
+        [sys.executable, WORKER, "join"],
         env={**common, "SHARDKIT_NUM_PROCESSES": "3", "SHARDKIT_PROCESS_ID": "1"},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=120,
     )
-    first.wait(timeout=120)
-    assert second.returncode == 2
-    assert "started as process 1 of 3" in second.stderr and "runs a job of 2 processes" in second.stderr
+    # The refusal comes at start-up; the processes then wait on each other at exit (JAX's shutdown
+    # barrier), so read the error line and stop both rather than wait for that.
+    deadline, error = time.time() + 120, ""
+    while time.time() < deadline and "shardkit: error" not in error:
+        error += second.stderr.readline()
+    for proc in (first, second):
+        proc.kill()
+        proc.wait(timeout=60)
+    assert "started as process 1 of 3" in error and "runs a job of 2 processes" in error
 
 
 def _free_port():
@@ -161,3 +167,39 @@ def test_an_unknown_command_is_refused_before_anything_starts():
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "command 'no-such-command-xyz' not found on PATH" in result.stderr
+
+
+def test_two_nodes_join_one_job_and_devices_follow_the_layout():
+    """Two launchers, as on two nodes (torchrun's grammar), one job of 4 processes; devices per
+    process from the command's --layout; no Gloo chatter."""
+    coordinator = f"127.0.0.1:{_free_port()}"
+    nodes = [
+        start(
+            sys.executable,
+            WORKER,
+            "init",
+            "--layout",
+            "data=2,fsdp=4",
+            extra=("--nnodes", "2", "--node-rank", str(rank), "--coordinator", coordinator)
+            + (("--verbose",) if rank == 1 else ()),
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=180) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    stdout = outputs[0][0] + outputs[1][0]
+    for rank in range(4):
+        assert f"[rank {rank}] pid" in stdout and f"process {rank} of 4, 2 local of 8 devices" in stdout, stdout
+    assert "[Gloo]" not in outputs[0][0] and "[Gloo]" in outputs[1][0]  # node 1 asked for --verbose
+    assert "2 simulated CPU devices per process (from --layout)" in outputs[0][1]
+
+
+def test_several_nodes_need_a_coordinator():
+    result = subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", "launch", "--nproc", "2", "--nnodes", "2", "--", sys.executable, "-V"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "needs the same --coordinator host:port" in result.stderr
