@@ -33,7 +33,7 @@ import re
 import shutil
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
@@ -332,6 +332,7 @@ class Checkpointer:
         run: Mapping[str, Mapping[str, Any]] | None = None,
         reset_optimizer: bool = False,
         allow_schedule_change: bool = False,
+        allow: Collection[str] = (),
     ) -> tuple[TrainState, dict[str, Any]]:
         """Read checkpoint ``step`` (default: the newest that verifies) into ``trainer``'s shardings.
 
@@ -343,6 +344,7 @@ class Checkpointer:
           reset_optimizer: restore parameters, step and key only, with a fresh optimizer state
             (to resume with another optimizer).
           allow_schedule_change: accept different ``run["schedule"]`` settings (lr, steps, ...).
+          allow: names of settings (either group) that may differ, e.g. ``{"batch"}``.
 
         Returns:
           ``(state, record)``; ``record["data_position"]`` says where to resume the data.
@@ -358,7 +360,7 @@ class Checkpointer:
             raise ShardkitError(f"Checkpoint directory {self.directory} does not exist; check the path.")
         if step is not None:
             self._check_step(step)
-            return self._restore_step(trainer, step, run, reset_optimizer, allow_schedule_change)
+            return self._restore_step(trainer, step, run, reset_optimizer, allow_schedule_change, allow)
         steps = self.steps()
         if not steps:
             raise ShardkitError(
@@ -368,7 +370,7 @@ class Checkpointer:
         skipped: list[str] = []
         for candidate in reversed(steps):
             try:
-                restored = self._restore_step(trainer, candidate, run, reset_optimizer, allow_schedule_change)
+                restored = self._restore_step(trainer, candidate, run, reset_optimizer, allow_schedule_change, allow)
             except CheckpointDamaged as e:
                 skipped.append(f"step {e.step}: {e.reason}")
                 continue
@@ -391,11 +393,12 @@ class Checkpointer:
         run: Mapping[str, Mapping[str, Any]] | None,
         reset_optimizer: bool,
         allow_schedule_change: bool,
+        allow: Collection[str],
     ) -> tuple[TrainState, dict[str, Any]]:
         self._verify_files(step)
         record = self.record(step)
         self._check_compatible(trainer, record, step, reset_optimizer)
-        self._check_run(record, step, run, allow_schedule_change)
+        self._check_run(record, step, run, allow_schedule_change, allow)
         target = trainer.abstract_state()
         try:
             if reset_optimizer:
@@ -504,6 +507,7 @@ class Checkpointer:
         step: int,
         run: Mapping[str, Mapping[str, Any]] | None,
         allow_schedule_change: bool,
+        allow: Collection[str] = (),
     ) -> None:
         saved = record.get("run") or {}
         if run is None or not saved:
@@ -512,7 +516,9 @@ class Checkpointer:
             if group == "schedule" and allow_schedule_change:
                 continue
             old, new = saved.get(group, {}), dict(run.get(group, {}))
-            changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+            allowed = {a.replace("-", "_") for a in allow}
+            allowed |= {"data_tokens"} if "data" in allowed else set()  # the source's size goes with it
+            changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in allowed]
             if not changed:
                 continue
             diffs = ", ".join(f"--{k.replace('_', '-')} {old.get(k)} (now {new.get(k)})" for k in changed)

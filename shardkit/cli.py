@@ -151,6 +151,19 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="resume although --lr, --warmup, --weight-decay, --steps or --optimizer differ from the checkpoint's",
     )
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        help="one directory per run: config.json, checkpoints/ and log.jsonl; run again to resume",
+    )
+    p.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="with --run-dir: resume although this setting changed (e.g. lr, steps, batch); repeatable",
+    )
+    p.add_argument("--overwrite", action="store_true", help="with --run-dir: start the run over")
     p.add_argument("--warmup", type=int, default=d.warmup, help="learning-rate warmup steps")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
     p.add_argument(

@@ -4,6 +4,7 @@ line can build its flags without starting JAX."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import pathlib
 
@@ -12,6 +13,27 @@ from shardkit.errors import ShardkitError
 OPTIMIZER_NAMES = ("adamw", "sgd")
 PRECISION_NAMES = ("fp32", "bf16", "bf16-master")
 NONFINITE_NAMES = ("skip", "halt")
+# Settings that change what a resumed run computes; a run directory refuses a change to any of
+# them unless --allow-change names it. The layout is not one: a run resumes onto any layout.
+RESUMABLE_SETTINGS = frozenset(
+    {
+        "model",
+        "steps",
+        "batch",
+        "seq",
+        "lr",
+        "warmup",
+        "weight_decay",
+        "optimizer",
+        "dropout",
+        "seed",
+        "data",
+        "precision",
+        "microbatches",
+        "remat",
+        "sequence_parallel",
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +68,12 @@ class TrainConfig:
     allow_schedule_change: bool = False  # resume under another lr, warmup, steps or weight decay
     sample_tokens: int = 200
     prompt: str = "def "
+    run_dir: str | None = None  # one directory per run: config.json, checkpoints/, log.jsonl
+    allow_change: tuple[str, ...] = ()  # settings a resumed run may change (names of flags)
+    overwrite: bool = False  # start the run in run_dir over
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "allow_change", tuple(self.allow_change or ()))  # argparse gives a list
         for name in ("steps", "batch", "seq"):
             if getattr(self, name) < 1:
                 raise ShardkitError(f"--{name} must be at least 1, got {getattr(self, name)}.")
@@ -86,7 +112,21 @@ class TrainConfig:
                     f"--json-log {self.json_log}: directory {log.absolute().parent} does not exist. Fix: create it "
                     "first, or log elsewhere."
                 )
-        if (self.reset_optimizer or self.allow_schedule_change) and not self.checkpoint_dir:
+        for key in self.allow_change:
+            if key.replace("-", "_") not in RESUMABLE_SETTINGS:
+                close = difflib.get_close_matches(key.replace("-", "_"), sorted(RESUMABLE_SETTINGS), n=1)
+                raise ShardkitError(
+                    f"--allow-change {key}: not a setting a resume compares"
+                    + (f"; did you mean {close[0].replace('_', '-')}?" if close else "")
+                    + f" Settings: {', '.join(sorted(k.replace('_', '-') for k in RESUMABLE_SETTINGS))}."
+                )
+        if (self.allow_change or self.overwrite) and not (self.run_dir or self.checkpoint_dir):
+            raise ShardkitError("--allow-change and --overwrite apply to a --run-dir.")
+        if self.run_dir and (self.checkpoint_dir or self.json_log):
+            raise ShardkitError(
+                "--run-dir holds the run's checkpoints and log itself; drop --checkpoint-dir and --json-log."
+            )
+        if (self.reset_optimizer or self.allow_schedule_change) and not (self.checkpoint_dir or self.run_dir):
             raise ShardkitError(
                 "--reset-optimizer and --allow-schedule-change apply to a resume: add --checkpoint-dir."
             )

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import optax
 
+from shardkit import run_dir
 from shardkit.checkpoint import Checkpointer
 from shardkit.config import OPTIMIZER_NAMES, TrainConfig
 from shardkit.data import TextDataset, load_text
@@ -142,11 +143,6 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
         schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages,
     )
-    ckpt = (
-        Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
-        if cfg.checkpoint_dir
-        else None
-    )
     devices = trainer.mesh.devices.size
     print(
         f"shardkit: {devices} {jax.devices()[0].platform} device(s), layout {trainer.layout.spec()}, "
@@ -159,6 +155,13 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
     # The batch shape is known now: refuse one that does not split, before anything is compiled.
     tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), np.int32)
     trainer.plan.check_microbatches({"tokens": tokens}, cfg.microbatches)
+    if cfg.run_dir:  # everything is checked: now the run directory may be written
+        cfg = run_dir.prepare(cfg)
+    ckpt = (
+        Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
+        if cfg.checkpoint_dir
+        else None
+    )
     rows = trainer.local_rows(cfg.batch)
     first_step = 0
     run = run_fingerprint(cfg, dataset)
@@ -170,6 +173,7 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
             run=run,
             reset_optimizer=cfg.reset_optimizer,
             allow_schedule_change=cfg.allow_schedule_change,
+            allow=cfg.allow_change,
         )
         for warning in ckpt.warnings:
             print(f"warning: {warning}", file=out)
