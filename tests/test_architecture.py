@@ -25,6 +25,7 @@ LAYERS = {
         "dirlock",
         "stopping",
         "progress",
+        "run_dir",
     },
     1: {
         "partition",
