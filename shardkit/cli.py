@@ -44,12 +44,19 @@ OTHER_NAMES = {
 class SuggestingParser(argparse.ArgumentParser):
     """argparse, plus "did you mean" for a misspelt flag or subcommand."""
 
+    def parse_args(self, args: Sequence[str] | None = None, namespace: object = None) -> argparse.Namespace:
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)  # type: ignore[arg-type]
+
     def _all_options(self) -> set[str]:
+        """The flags of the subcommand on the command line (of every subcommand if none)."""
         options = set(self._option_string_actions)
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
-                for sub in action.choices.values():
-                    options |= set(sub._option_string_actions)
+                named = [a for a in getattr(self, "_argv", []) if a in action.choices]
+                for name, sub in action.choices.items():
+                    if not named or name == named[0]:
+                        options |= set(sub._option_string_actions)
         return options
 
     def error(self, message: str) -> NoReturn:
@@ -81,6 +88,16 @@ def _check_device_count(n: int) -> None:
         raise ShardkitError(f"--devices {n}: simulate at least 1 device (default {DEFAULT_SIMULATED_DEVICES}).")
 
 
+def _devices_for(layout: str, devices: int | None) -> int:
+    """``--devices``, or by default the layout's device count (8 when it has a -1)."""
+    if devices is not None:
+        return devices
+    from shardkit.mesh import Layout
+
+    parsed = Layout.parse(layout)
+    return DEFAULT_SIMULATED_DEVICES if any(s == -1 for _, s in parsed.sizes) else parsed.num_devices
+
+
 def _use_simulated_devices_if_no_accelerator(n: int) -> None:
     """Ask for ``n`` CPU devices before JAX starts; a GPU/TPU, if present, still wins."""
     _check_device_count(n)
@@ -102,14 +119,93 @@ def _simulate_exactly(n: int) -> None:
     simulate_devices(n)
 
 
+class DefaultsHelp(argparse.HelpFormatter):
+    """Shows each flag's default, unless its help already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+EXAMPLES = {
+    "train": "example: shardkit train --model tiny --layout fsdp=8 --steps 100 --run-dir runs/tiny",
+    "dryrun": "example: shardkit dryrun --model llama2-70b --layout fsdp=64,tensor=8 --batch 512 --seq 4096 "
+    "--precision bf16-master --remat full --hardware h100",
+    "inspect": "example: shardkit inspect --model tiny --layout data=2,fsdp=2,tensor=2",
+    "plan": "example: shardkit plan --model llama2-7b --devices 64 --hardware h100 --batch 256 --seq 4096",
+    "launch": "example: shardkit launch --nproc 2 -- shardkit train --layout data=2,fsdp=2,tensor=2 --steps 50",
+}
+
+
+def _shared_flags() -> dict[str, dict[str, object]]:
+    """Flags that several subcommands take: one name, one meaning, one help, one default (the
+    main job's, :class:`TrainConfig`), wherever they appear."""
+    d = TrainConfig()
+    return {
+        "--model": dict(
+            default=d.model,
+            help="a GPT preset (tiny, mini, gpt2-small, ..., llama2-70b, mixtral-8x7b); dryrun, inspect and plan "
+            "also take your own factory as package.module:function",
+        ),
+        "--layout": dict(default=d.layout, help="mesh axis sizes, e.g. data=2,fsdp=-1,tensor=2 (-1 fills the rest)"),
+        "--batch": dict(type=int, default=d.batch, help="global batch (sequences per step)"),
+        "--seq": dict(type=int, default=d.seq, help="sequence length (tokens the model sees per sequence)"),
+        "--precision": dict(choices=PRECISION_NAMES, default=d.precision, help="mixed-precision policy"),
+        "--microbatches": dict(
+            type=int,
+            default=d.microbatches,
+            help="gradient accumulation steps; with stage>1, the microbatches in the pipeline",
+        ),
+        "--schedule": dict(choices=SCHEDULES, default=d.schedule, help="pipeline schedule with stage>1 (default 1f1b)"),
+        "--virtual-stages": dict(type=int, default=d.virtual_stages, help="interleaved pipeline stages per device"),
+        "--remat": dict(default=d.remat, help="rematerialisation per layer: none, full, dots, dots_no_batch"),
+        "--hardware": dict(
+            default="h100",
+            help="the device to plan for: h100, h200, a100, tpu-v5p, tpu-v5e, or a JSON profile (dryrun says "
+            "whether the step fits one; plan ranks layouts on it)",
+        ),
+        "--devices": dict(
+            type=int,
+            default=None,
+            help="device count, simulated on CPU where no GPU is present (default: the layout's count; "
+            f"{DEFAULT_SIMULATED_DEVICES} when it has a -1)",
+        ),
+    }
+
+
+# The shared flags that describe one training run (all but --hardware).
+RUN_FLAGS = (
+    "--model",
+    "--layout",
+    "--batch",
+    "--seq",
+    "--precision",
+    "--microbatches",
+    "--schedule",
+    "--virtual-stages",
+    "--remat",
+    "--devices",
+)
+
+
+def _add_shared(p: argparse.ArgumentParser, *names: str, **overrides: dict[str, object]) -> None:
+    shared = _shared_flags()
+    for name in names:
+        p.add_argument(name, **{**shared[name], **overrides.get(name.lstrip("-").replace("-", "_"), {})})
+
+
 def _train_parser(sub: argparse._SubParsersAction) -> None:
     d = TrainConfig()
-    p = sub.add_parser("train", help="train the reference GPT on text (built-in corpus by default)")
-    p.add_argument("--layout", default=d.layout, help=f"mesh axis sizes (default {d.layout}); -1 fills the rest")
-    p.add_argument("--model", default=d.model, help=f"GPT preset (default {d.model})")
+    p = sub.add_parser(
+        "train",
+        help="train the reference GPT on text (built-in corpus by default)",
+        epilog=EXAMPLES["train"],
+        formatter_class=DefaultsHelp,
+    )
+    _add_shared(p, *RUN_FLAGS)
     p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch", type=int, default=d.batch, help="global batch size (sequences per step)")
-    p.add_argument("--seq", type=int, default=d.seq, help="sequence length")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default=d.optimizer)
     p.add_argument("--dropout", type=float, default=d.dropout)
@@ -118,22 +214,6 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json-log", default=None, help="write one JSON object per step to this file")
     p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="tokens to generate at the end")
     p.add_argument("--prompt", default=d.prompt)
-    p.add_argument(
-        "--devices",
-        type=int,
-        default=DEFAULT_SIMULATED_DEVICES,
-        help="simulated CPU devices when no GPU is present (default 8)",
-    )
-    p.add_argument("--precision", choices=PRECISION_NAMES, default=d.precision, help="mixed-precision policy")
-    p.add_argument(
-        "--microbatches",
-        type=int,
-        default=d.microbatches,
-        help="gradient accumulation steps; with stage>1, the microbatches in the pipeline",
-    )
-    p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule, help="pipeline schedule (default 1f1b)")
-    p.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="interleaved stages per device")
-    p.add_argument("--remat", default=d.remat, help="none, full, dots, dots_no_batch")
     p.add_argument(
         "--nonfinite",
         choices=["skip", "halt"],
@@ -175,22 +255,11 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism on the tensor axis")
 
 
-def _plan_arguments(p: argparse.ArgumentParser, default_layout: str) -> None:
-    """Flags shared by `dryrun` and `inspect`: a model, a layout and the batch shape."""
-    p.add_argument(
-        "--model", default="llama2-7b", help="GPT preset, or your own model factory as package.module:function"
-    )
-    p.add_argument("--layout", default=default_layout)
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's max_seq)")
-    p.add_argument("--precision", choices=PRECISION_NAMES, default="fp32")
-    p.add_argument("--microbatches", type=int, default=1, help="accumulation steps, or pipeline microbatches")
-    p.add_argument("--schedule", choices=SCHEDULES, default=None, help="pipeline schedule (stage>1; default 1f1b)")
-    p.add_argument("--virtual-stages", type=int, default=1, help="interleaved stages per device")
-    p.add_argument("--remat", default="none", help="none, full, dots, dots_no_batch")
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `dryrun` and `inspect`: the shared ones, and two for compile-time studies."""
+    _add_shared(p, *RUN_FLAGS)
     p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
     p.add_argument("--unrolled", action="store_true", help="unroll the layer stack instead of scanning it")
-    p.add_argument("--devices", type=int, default=None, help="device count when the layout has a -1")
 
 
 def _dryrun_config(args: argparse.Namespace):
@@ -234,33 +303,57 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
-    dry = sub.add_parser("dryrun", help="compile a train step for N simulated devices; print memory and collectives")
-    _plan_arguments(dry, "fsdp=8")
+    dry = sub.add_parser(
+        "dryrun",
+        help="compile a train step for N simulated devices; print memory and collectives",
+        epilog=EXAMPLES["dryrun"],
+        formatter_class=DefaultsHelp,
+    )
+    _plan_arguments(dry)
     dry.add_argument("--json", action="store_true", help="print the result as JSON")
-    dry.add_argument(
-        "--hardware", default="h100", help="say whether it fits one device of this: h100, h200, a100, tpu-v5p, tpu-v5e"
+    _add_shared(dry, "--hardware")
+    ins = sub.add_parser(
+        "inspect",
+        help="per-parameter shardings, collectives, memory and warnings",
+        epilog=EXAMPLES["inspect"],
+        formatter_class=DefaultsHelp,
     )
-    ins = sub.add_parser("inspect", help="per-parameter shardings, collectives, memory and warnings")
-    _plan_arguments(ins, "data=2,fsdp=2,tensor=2")
-    ins.set_defaults(model="tiny", seq=None)
-    pln = sub.add_parser("plan", help="rank layouts for a model on N devices of some hardware")
-    pln.add_argument(
-        "--model", default="llama2-7b", help="GPT preset, or your own model factory as package.module:function"
+    _plan_arguments(ins)
+    pln = sub.add_parser(
+        "plan",
+        help="rank layouts for a model on N devices of some hardware",
+        epilog=EXAMPLES["plan"],
+        formatter_class=DefaultsHelp,
     )
-    pln.add_argument("--devices", type=int, required=True)
-    pln.add_argument("--hardware", default="h100", help="h100, h200, a100, tpu-v5p, tpu-v5e, or a JSON file")
-    pln.add_argument("--batch", type=int, required=True, help="global batch (sequences per step)")
-    pln.add_argument("--seq", type=int, required=True)
-    pln.add_argument("--precision", default="bf16-master")
-    pln.add_argument("--remat", default="none,full", help="remat policies to try, cheapest first")
-    pln.add_argument("--microbatches", default="1,2,4,8,16", help="microbatch counts to try, fewest first")
+    # The planner is asked about a size, so the device count and the batch shape have no default;
+    # it plans for accelerators, so its precision default is bf16 with fp32 master weights.
+    _add_shared(
+        pln,
+        "--model",
+        "--devices",
+        "--batch",
+        "--seq",
+        "--precision",
+        "--schedule",
+        devices={"required": True},
+        batch={"required": True},
+        seq={"required": True},
+        precision={"default": "bf16-master"},
+    )
+    _add_shared(pln, "--hardware")
+    pln.add_argument("--remat-options", default="none,full", help="remat policies to try, cheapest first")
+    pln.add_argument("--microbatch-options", default="1,2,4,8,16", help="microbatch counts to try, fewest first")
     pln.add_argument("--tensor", default=None, help="tensor sizes to consider (default: powers of 2 in a node)")
     pln.add_argument("--sequence", default=None, help="sequence (ring attention) sizes to consider (default 1,2,4,8)")
     pln.add_argument("--stage", default=None, help="pipeline stage counts to consider (default 1,2,4,8)")
     pln.add_argument("--expert", default=None, help="expert sizes to consider (default: divisors of the experts)")
-    pln.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule of staged plans")
-    pln.add_argument("--json", action="store_true")
-    lau = sub.add_parser("launch", help="start P processes of a command on this machine (jax.distributed)")
+    pln.add_argument("--json", action="store_true", help="print the result as JSON")
+    lau = sub.add_parser(
+        "launch",
+        help="start P processes of a command on this machine (jax.distributed)",
+        epilog=EXAMPLES["launch"],
+        formatter_class=DefaultsHelp,
+    )
     lau.add_argument("--nproc", type=int, required=True, help="number of processes (on this node)")
     lau.add_argument("--nnodes", type=int, default=1, help="nodes in the job (run the launcher on each)")
     lau.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
@@ -300,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from shardkit import distributed
 
             if distributed.initialize() is None:  # joins the other processes when launched as several
-                _use_simulated_devices_if_no_accelerator(args.devices)
+                _use_simulated_devices_if_no_accelerator(_devices_for(args.layout, args.devices))
             import dataclasses
 
             from shardkit.run import train

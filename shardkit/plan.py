@@ -508,13 +508,13 @@ def options_from(args: Any) -> PlanOptions:
     """PlanOptions from the ``shardkit plan`` flags."""
     return PlanOptions(
         precision=args.precision,
-        remat=tuple(r for r in args.remat.split(",") if r),
-        microbatches=parse_ints(args.microbatches),
+        remat=tuple(r for r in args.remat_options.split(",") if r),
+        microbatches=parse_ints(args.microbatch_options),
         tensor=parse_ints(args.tensor) if args.tensor else None,
         sequence=parse_ints(args.sequence) if args.sequence else None,
         stage=parse_ints(args.stage) if args.stage else None,
         expert=parse_ints(args.expert) if args.expert else None,
-        schedule=args.schedule,
+        schedule=args.schedule or "1f1b",
     )
 
 

@@ -99,7 +99,7 @@ def test_progress_leaves_the_compile_out_of_the_speed():
 
 
 def test_shardkit_train_bad_layout_exits_with_the_fix():
-    result = run_cli("train", "--layout", "data=3,tensor=3", "--steps", "1")
+    result = run_cli("train", "--layout", "data=3,tensor=3", "--devices", "8", "--steps", "1")
     assert result.returncode == 2
     assert "needs 9 devices but 8 are available" in result.stderr
 
