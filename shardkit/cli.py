@@ -196,14 +196,14 @@ def _add_shared(p: argparse.ArgumentParser, *names: str, **overrides: dict[str, 
         p.add_argument(name, **{**shared[name], **overrides.get(name.lstrip("-").replace("-", "_"), {})})
 
 
+def _subcommand(sub: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
+    """A subcommand whose help shows the defaults and ends with an example."""
+    return sub.add_parser(name, help=summary, epilog=EXAMPLES[name], formatter_class=DefaultsHelp)
+
+
 def _train_parser(sub: argparse._SubParsersAction) -> None:
     d = TrainConfig()
-    p = sub.add_parser(
-        "train",
-        help="train the reference GPT on text (built-in corpus by default)",
-        epilog=EXAMPLES["train"],
-        formatter_class=DefaultsHelp,
-    )
+    p = _subcommand(sub, "train", "train the reference GPT on text (built-in corpus by default)")
     _add_shared(p, *RUN_FLAGS)
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--lr", type=float, default=d.lr)
@@ -303,28 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
-    dry = sub.add_parser(
-        "dryrun",
-        help="compile a train step for N simulated devices; print memory and collectives",
-        epilog=EXAMPLES["dryrun"],
-        formatter_class=DefaultsHelp,
-    )
+    dry = _subcommand(sub, "dryrun", "compile a train step for N simulated devices; print memory and collectives")
     _plan_arguments(dry)
     dry.add_argument("--json", action="store_true", help="print the result as JSON")
     _add_shared(dry, "--hardware")
-    ins = sub.add_parser(
-        "inspect",
-        help="per-parameter shardings, collectives, memory and warnings",
-        epilog=EXAMPLES["inspect"],
-        formatter_class=DefaultsHelp,
-    )
+    ins = _subcommand(sub, "inspect", "per-parameter shardings, collectives, memory and warnings")
     _plan_arguments(ins)
-    pln = sub.add_parser(
-        "plan",
-        help="rank layouts for a model on N devices of some hardware",
-        epilog=EXAMPLES["plan"],
-        formatter_class=DefaultsHelp,
-    )
+    pln = _subcommand(sub, "plan", "rank layouts for a model on N devices of some hardware")
     # The planner is asked about a size, so the device count and the batch shape have no default;
     # it plans for accelerators, so its precision default is bf16 with fp32 master weights.
     _add_shared(
@@ -348,12 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--stage", default=None, help="pipeline stage counts to consider (default 1,2,4,8)")
     pln.add_argument("--expert", default=None, help="expert sizes to consider (default: divisors of the experts)")
     pln.add_argument("--json", action="store_true", help="print the result as JSON")
-    lau = sub.add_parser(
-        "launch",
-        help="start P processes of a command on this machine (jax.distributed)",
-        epilog=EXAMPLES["launch"],
-        formatter_class=DefaultsHelp,
-    )
+    lau = _subcommand(sub, "launch", "start P processes of a command on this machine (jax.distributed)")
     lau.add_argument("--nproc", type=int, required=True, help="number of processes (on this node)")
     lau.add_argument("--nnodes", type=int, default=1, help="nodes in the job (run the launcher on each)")
     lau.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
