@@ -7,6 +7,7 @@ left by a process that no longer exists on this host is stale and taken over wit
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -86,10 +87,12 @@ class DirectoryLock:
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             self.held = True
+            atexit.register(self.release)  # a run that ends in an error still lets the next one in
             return
         raise ShardkitError(f"Could not take the lock {self.path}; another process keeps recreating it.")
 
     def release(self) -> None:
+        atexit.unregister(self.release)
         if self.held:
             owner = self._owner() or {}
             if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():

@@ -407,3 +407,16 @@ def test_models_written_without_shardkit_get_the_same_checks(tmp_path, factory):
         restored, record = Checkpointer(tmp_path).restore(other)
     assert record["step"] == 1
     assert_trees_close(jax.device_get(restored), saved[1], rtol=0, atol=0)
+
+
+def test_a_run_that_ends_in_an_error_leaves_no_lock(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import pathlib
+        from shardkit.dirlock import DirectoryLock
+        DirectoryLock(pathlib.Path({str(tmp_path)!r})).acquire()
+        raise RuntimeError("the run failed")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "the run failed" in result.stderr and not (tmp_path / LOCK_NAME).exists()
