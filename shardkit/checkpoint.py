@@ -32,6 +32,7 @@ import pathlib
 import re
 import shutil
 import sys
+import time
 import warnings
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -278,10 +279,21 @@ class Checkpointer:
 
     def _failed(self, step: int, error: BaseException) -> None:
         self._unlisted = [s for s in self._unlisted if s != step]
-        for leftover in self.directory.glob(f"*{_TMP_MARK}*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-        with contextlib.suppress(Exception):
-            self._opened.reload()  # type: ignore[union-attr]
+        # Orbax's other writer threads may still be finishing (and creating files) after the first
+        # error surfaced: close the manager so they are joined before the partial save is removed.
+        if self._opened is not None:
+            with contextlib.suppress(Exception):
+                self._opened.wait_until_finished()
+            with contextlib.suppress(Exception):
+                self._opened.close()
+            self._opened = None  # opened again on next use
+        deadline, quiet = time.monotonic() + 5.0, 0
+        while quiet < 3 and time.monotonic() < deadline:  # empty three looks in a row: no late writer
+            leftovers = list(self.directory.glob(f"*{_TMP_MARK}*"))
+            for leftover in leftovers:
+                shutil.rmtree(leftover, ignore_errors=True)
+            quiet = 0 if leftovers else quiet + 1
+            time.sleep(0.05)
         raise ShardkitError(
             f"Saving checkpoint step {step} in {self.directory} failed ({_root_cause(error)}). The partial "
             f"save was removed; earlier checkpoints are intact (steps {self.steps()}). Fix: free space or "
