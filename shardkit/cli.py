@@ -332,6 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--sequence", default=None, help="sequence (ring attention) sizes to consider (default 1,2,4,8)")
     pln.add_argument("--stage", default=None, help="pipeline stage counts to consider (default 1,2,4,8)")
     pln.add_argument("--expert", default=None, help="expert sizes to consider (default: divisors of the experts)")
+    pln.add_argument(
+        "--compile-top",
+        type=int,
+        default=6,
+        help="compile this many layouts, the fastest by the analytic estimate (0: all of them)",
+    )
+    pln.add_argument("--workers", type=int, default=None, help="processes compiling at once (default: one per core)")
     pln.add_argument("--json", action="store_true", help="print the result as JSON")
     lau = _subcommand(sub, "launch", "start P processes of a command on this machine (jax.distributed)")
     lau.add_argument("--nproc", type=int, required=True, help="number of processes (on this node)")

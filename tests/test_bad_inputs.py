@@ -174,6 +174,16 @@ CLI_CASES = [
         r"tpu-v9",
     ),
     Case("cli-plan-missing-batch", cli_error("plan", "--devices", "8", "--seq", "128"), r"--batch"),
+    Case(
+        "cli-plan-negative-compile-top",
+        cli_error("plan", "--devices", "8", "--batch", "8", "--seq", "128", "--compile-top", "-1"),
+        r"compile at least 1 layout",
+    ),
+    Case(
+        "cli-plan-zero-workers",
+        cli_error("plan", "--devices", "8", "--batch", "8", "--seq", "128", "--workers", "0"),
+        r"workers=0: give at least 1 process",
+    ),
     Case("cli-launch-zero-processes", cli_error("launch", "--nproc", "0", "--", "python"), r"--nproc 0"),
     Case("cli-launch-no-command", cli_error("launch", "--nproc", "2"), r"needs a command after `--`"),
     Case("cli-launch-unknown-command", cli_error("launch", "--nproc", "2", "--", "no-such-cmd"), r"not found on PATH"),

@@ -8,8 +8,10 @@ import sys
 import pytest
 
 import shardkit as sk
+from shardkit.estimate import axis_links
+from shardkit.estimate import predict as estimate
 from shardkit.hardware import PROFILES, Hardware, get_hardware
-from shardkit.plan import Plan, PlanOptions, axis_links, candidate_layouts, estimate, plan
+from shardkit.plan import Plan, PlanOptions, candidate_layouts, plan
 
 H100 = PROFILES["h100"]
 
@@ -199,3 +201,79 @@ def test_a_mixture_of_experts_is_planned_over_the_expert_axis(cache):
     result = plan("tiny-moe", 8, "h100", batch=16, seq=32, options=options, cache_dir=cache)
     staged = {p["layout"]: p for p in result["plans"]}
     assert "data=2,expert=4" in staged and staged["data=2,expert=4"]["bytes_by_axes"].get("expert", 0) > 0
+
+
+def test_the_analytic_estimate_tracks_the_compiled_step():
+    # The planner prunes by this estimate, so it must be within a small factor of what the
+    # compiler produces: memory per device and bytes per mesh axis, on layouts of each kind.
+    from shardkit.estimate import analytic
+    from shardkit.plan import ModelFacts
+
+    sizes = ModelFacts.of_preset("mini").sizes
+    for layout in ("data=8", "fsdp=8", "data=2,tensor=4", "fsdp=4,tensor=2"):
+        compiled = sk.dryrun("mini", layout=layout, batch=32, seq=128)
+        shape = dict(sk.Layout.parse(layout).sizes)
+        est = analytic(sizes, shape, H100, batch=32, seq=128, precision="fp32", compute_itemsize=4)
+        assert 0.6 < est.memory_bytes / compiled["memory"]["total"] < 1.6, layout
+        assert 0.6 < sum(est.bytes_by_axes.values()) / sum(compiled["bytes_by_axes"].values()) < 1.6, layout
+        for axis in shape:
+            if axis in compiled["bytes_by_axes"]:
+                assert 0.5 < est.bytes_by_axes[axis] / compiled["bytes_by_axes"][axis] < 2, (layout, axis)
+
+
+def test_pruning_by_the_estimate_keeps_the_best_plan(tmp_path):
+    options = PlanOptions(tensor=(1, 2), sequence=(1,), stage=(1,), remat=("none",), microbatches=(1,))
+    everything = plan(
+        "mini", 8, "h100", 32, 128, dataclasses.replace(options, compile_top=None), cache_dir=tmp_path / "a"
+    )
+    pruned = plan("mini", 8, "h100", 32, 128, dataclasses.replace(options, compile_top=2), cache_dir=tmp_path / "b")
+    assert everything["compiled"] == len(everything["plans"]) == everything["searched"] == 7
+    assert pruned["compiled"] == 2 and pruned["best"] == everything["best"]
+    left = [p for p in pruned["plans"] if not p["compiled"]]
+    assert len(left) == 5 and all(p["estimated_step_seconds"] > 0 and "not compiled" in p["note"] for p in left)
+    # The compiled plans rank above the estimated ones, and the best plan's command is complete.
+    assert [p["compiled"] for p in pruned["plans"]] == [True, True] + [False] * 5
+    assert pruned["best_flags"].startswith("--model mini --batch 32 --seq 128 --layout ")
+
+
+def _plan_workers(marker: str) -> list[int]:
+    """PIDs of planner workers started with ``SHARDKIT_CACHE=marker``."""
+    import pathlib
+
+    found = []
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            if (
+                b"shardkit.plan_worker" in (proc / "cmdline").read_bytes()
+                and marker.encode() in (proc / "environ").read_bytes()
+            ):
+                found.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_the_planner_shows_k_of_n_and_ctrl_c_prints_the_partial_table(tmp_path):
+    import os
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "shardkit.cli", "plan", "--model", "llama2-7b", "--devices", "64"]
+    cmd += ["--hardware", "h100", "--batch", "256", "--seq", "4096", "--workers", "2"]
+    env = {**os.environ, "SHARDKIT_CACHE": str(tmp_path)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    first = proc.stdout.readline()
+    assert "layouts:" in first and "compiling the 6 fastest" in first, first
+    deadline = time.time() + 120
+    while not _plan_workers(str(tmp_path)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _plan_workers(str(tmp_path)), "the planner compiles in worker processes"
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    assert "(interrupted: partial table)" in out
+    assert "interrupted before any plan was compiled" in out or "best: shardkit train" in out
+    time.sleep(1)
+    assert _plan_workers(str(tmp_path)) == [], "no worker outlives the plan"

@@ -1,0 +1,244 @@
+"""Step time and memory of a layout: predicted from a dry run's facts, or estimated before compiling.
+
+Two ways to price a layout on a hardware profile:
+
+- :func:`predict` reads a *compiled* dry run (its matmul FLOPs and the bytes each mesh axis
+  moved) and turns them into seconds at the device's peak and the links' bandwidths;
+- :func:`analytic` needs no compiler at all: it counts the model's FLOPs (6N per token plus
+  attention), the bytes each axis must move (ring collectives: ZeRO, Megatron, ring attention,
+  pipeline sends, expert all-to-alls) and the memory a device holds (model state, gradients and
+  Korthikanti et al.'s activation count per layer). The planner uses it to rank and prune
+  hundreds of layouts in milliseconds and compiles only the few that survive.
+
+The analytic figures are estimates, good to a small factor (XLA on CPU keeps more temporaries
+than the formulas; some layouts move more than the bound), which is all ranking needs: every
+plan the planner recommends is compiled and priced by :func:`predict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from shardkit.hardware import Hardware
+from shardkit.mesh import Layout
+
+# Bytes per parameter of the model state (parameters, optimizer moments, master copy) by
+# precision; and of its gradients.
+STATE_BYTES_PER_PARAM = {"fp32": 12, "bf16": 12, "bf16-master": 14}
+GRAD_BYTES_PER_PARAM = {"fp32": 4, "bf16": 4, "bf16-master": 2}
+# Extra compute of a rematerialised backward pass (the forward runs again: 4/3 of 6N).
+REMAT_COMPUTE = {"none": 1.0, "full": 4 / 3, "dots": 1.1, "dots_no_batch": 1.15}
+# The compiled step holds about this multiple of the activations Korthikanti et al. count: the
+# ratio of compiled temporary memory to the formula, measured on this toolchain from 1.5 (a
+# 4-layer byte model, fp32) to 2.1 (Llama-2 70B, bf16, remat full, 512 devices).
+ACTIVATION_OVERHEAD = 1.75
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSizes:
+    """What the analytic estimate needs of a model (a transformer language model's sizes).
+
+    ``dim``, ``heads`` and ``vocab`` may be 0 when unknown (a model that does not say): the
+    terms that need them (activations, tensor-parallel traffic, logits) then drop out.
+    """
+
+    params: int
+    layers: int
+    dim: int = 0
+    heads: int = 0
+    kv_dim: int = 0  # dimension of the keys (and of the values): heads x head size, grouped
+    vocab: int = 0
+    matmul_params: int = 0  # parameters in matmuls (6 FLOPs per token each); 0: all of them
+    expert_params: int = 0  # parameters inside the experts (split by the expert axis)
+    experts: int = 0
+    top_k: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """An analytic estimate of one training step per device (bytes and seconds)."""
+
+    memory_bytes: float  # the three below and the gradients
+    state_bytes: float  # parameters, optimizer moments, master copy
+    activation_bytes: float
+    compute_seconds: float
+    comm_seconds: float
+    bytes_by_axes: dict[str, float]
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.comm_seconds
+
+
+def axis_links(layout_shape: dict[str, int], hw: Hardware) -> dict[str, str]:
+    """``"intra"`` or ``"inter"`` for each mesh axis: does stepping along it leave the node?
+
+    Devices are numbered node by node and the mesh is laid out in canonical axis order, so an
+    axis stays inside a node when its stride times its size fits in (and divides) a node.
+
+    Example:
+      >>> from shardkit.hardware import PROFILES
+      >>> axis_links({"data": 4, "tensor": 8}, PROFILES["h100"])
+      {'tensor': 'intra', 'data': 'inter'}
+    """
+    links, stride = {}, 1
+    for axis in reversed(list(layout_shape)):
+        size = layout_shape[axis]
+        span = stride * size
+        inside = span <= hw.devices_per_node and hw.devices_per_node % span == 0
+        links[axis] = "intra" if inside or size == 1 else "inter"
+        stride = span
+    return links
+
+
+def comm_seconds(bytes_by_axes: dict[str, float], layout_shape: dict[str, int], hw: Hardware) -> float:
+    """Seconds to move ``bytes_by_axes`` (keys: an axis or ``"a+b"``), each at its slowest link."""
+    links = axis_links(layout_shape, hw)
+    total = 0.0
+    for axes, moved in bytes_by_axes.items():
+        if axes == "-" or not moved:
+            continue
+        inter = any(links.get(a, "intra") == "inter" for a in axes.split("+"))
+        total += moved / (hw.inter_node_bandwidth if inter else hw.intra_node_bandwidth)
+    return total
+
+
+def predict(result: dict[str, Any], hw: Hardware, compute_dtype: str) -> dict[str, float]:
+    """Predicted seconds of one step from a dry run's report dict on hardware ``hw``.
+
+    Args:
+      result: :meth:`shardkit.report.Report.to_dict` output (a dry run).
+      hw: the hardware profile.
+      compute_dtype: dtype of the matmuls (``bfloat16`` or ``float32``).
+
+    Returns:
+      ``compute_seconds``, ``comm_seconds``, ``step_seconds`` (no overlap), ``step_seconds_overlap``,
+      ``mfu`` (model FLOPs over the whole machine's peak in the no-overlap step time).
+
+    Example:
+      >>> from shardkit.hardware import PROFILES
+      >>> facts = {"layout": "data=8", "devices": 8, "flops_per_device": 989e12, "bytes_by_axes": {}}
+      >>> predict(facts, PROFILES["h100"], "bfloat16")["step_seconds"]
+      1.0
+    """
+    shape = dict(Layout.parse(result["layout"]).sizes)
+    peak = hw.peak_flops(compute_dtype)
+    compute = result["flops_per_device"] / peak
+    comm = comm_seconds(result["bytes_by_axes"], shape, hw)
+    step = compute + comm
+    model_flops = result.get("model_flops_per_step") or result["flops_per_device"] * result["devices"]
+    return {
+        "compute_seconds": compute,
+        "comm_seconds": comm,
+        "step_seconds": step,
+        "step_seconds_overlap": max(compute, comm),
+        "mfu": model_flops / (result["devices"] * peak * step),
+    }
+
+
+def _ring(kind: str, size: float, n: int) -> float:
+    """Bytes one device sends in a ring collective over ``n`` devices of an array of ``size`` bytes."""
+    if n <= 1:
+        return 0.0
+    return (2 if kind == "all-reduce" else 1) * (n - 1) / n * size
+
+
+def analytic(
+    sizes: ModelSizes,
+    shape: dict[str, int],
+    hw: Hardware,
+    *,
+    batch: int,
+    seq: int,
+    precision: str,
+    compute_itemsize: int,
+    comm_itemsize: int | None = None,
+    remat: str = "none",
+    microbatches: int = 1,
+    schedule: str | None = None,
+) -> Estimate:
+    """Estimate one step of ``sizes`` under mesh axis sizes ``shape``, without compiling.
+
+    Args:
+      sizes: the model's sizes.
+      shape: mesh axis sizes (``data``, ``fsdp``, ``tensor``, ``sequence``, ``stage``, ``expert``).
+      hw: the hardware profile.
+      batch, seq: global batch rows and sequence length.
+      precision: ``fp32``, ``bf16`` or ``bf16-master`` (bytes of state per parameter).
+      compute_itemsize: bytes per element of activations.
+      comm_itemsize: bytes per element of gathered parameters and reduced gradients (default
+        ``compute_itemsize``; 4 where an fp32 master copy is what is gathered and reduced).
+      remat: per-layer rematerialisation policy.
+      microbatches: gradient-accumulation (or pipeline) microbatches.
+      schedule: the pipeline schedule when ``stage > 1`` (``1f1b`` or ``gpipe``).
+
+    Returns:
+      An :class:`Estimate`. Data-parallel and FSDP traffic is counted once per microbatch, as the
+      compiled step moves it today.
+
+    Example:
+      >>> from shardkit.hardware import PROFILES
+      >>> sizes = ModelSizes(params=7e9, layers=32, dim=4096, heads=32, kv_dim=4096, vocab=32000)
+      >>> e = analytic(sizes, {"fsdp": 8}, PROFILES["h100"], batch=8, seq=4096,
+      ...              precision="bf16-master", compute_itemsize=2)
+      >>> round(e.state_bytes / 1e9, 2)   # 14 bytes per parameter over 8 devices
+      12.25
+    """
+    d, f, t = shape.get("data", 1), shape.get("fsdp", 1), shape.get("tensor", 1)
+    sq, p, e = shape.get("sequence", 1), shape.get("stage", 1), shape.get("expert", 1)
+    n = math.prod(shape.values())
+    c = compute_itemsize
+    mb = microbatches
+    dense = sizes.params - sizes.expert_params
+    held = dense / (f * t * p) + sizes.expert_params / (f * t * p * e)  # parameters a device holds
+    state = held * STATE_BYTES_PER_PARAM[precision]
+    grads = held * GRAD_BYTES_PER_PARAM[precision]
+
+    # Activations (Korthikanti et al. 2022, tensor parallelism without sequence parallelism).
+    rows_split = d * f * e
+    tokens_mb = batch * seq / (rows_split * sq * mb)  # tokens one device sees per microbatch
+    layers_here = sizes.layers / p
+    activations = 0.0
+    if sizes.dim:
+        heads = sizes.heads or max(1, sizes.dim // 128)
+        full = tokens_mb * sizes.dim * (10 + 24 / t + 5 * heads * (seq / sq) / (sizes.dim * t)) * c / 2
+        kept = {"none": full, "full": tokens_mb * sizes.dim * c}.get(remat, full / 2)
+        in_flight = 1 if p == 1 else (mb if schedule == "gpipe" else min(p, mb))
+        activations = in_flight * layers_here * kept + (full if remat != "none" else 0.0)
+        activations += tokens_mb * sizes.vocab / t * (c + 8)  # logits, their fp32 softmax and gradient
+        activations *= ACTIVATION_OVERHEAD
+
+    # Compute: model FLOPs split over every device, recomputation, the pipeline's idle slots.
+    matmul = sizes.matmul_params or sizes.params
+    if sizes.experts and sizes.top_k:
+        matmul -= sizes.expert_params * (1 - sizes.top_k / sizes.experts)
+    flops = batch * seq * (6 * matmul + 12 * sizes.layers * sizes.dim * seq) / n
+    flops *= REMAT_COMPUTE.get(remat, 1.2) * (1 + (p - 1) / mb)
+    compute = flops / hw.peak_flops("bfloat16" if c == 2 else "float32")
+
+    # Bytes each axis moves per device.
+    param_bytes = held * f * (comm_itemsize or c)  # this device's tensor/stage/expert share, gathered over fsdp
+    tokens = tokens_mb * mb
+    gathers = 3 + (remat != "none")  # forward, backward (and the recomputed forward), reduce-scatter
+    moved = {
+        "fsdp": gathers * _ring("all-gather", param_bytes, f) * mb,
+        "data": _ring("all-reduce", param_bytes / f, d) * mb,
+        "tensor": 4 * layers_here * _ring("all-reduce", tokens * sizes.dim * c, t),
+        # Ring attention: K and V go round the ring forward; K, V and their gradients backward.
+        "sequence": 6 * layers_here * (sq - 1) * tokens * (sizes.kv_dim or sizes.dim) / t * c if sq > 1 else 0.0,
+        # Lock-step stages send a microbatch's activation (and its gradient back) every slot.
+        "stage": 2 * (mb + p - 1) * tokens_mb * sizes.dim * c if p > 1 else 0.0,
+        # Dispatch and combine, forward and backward, of the routed tokens (capacity 1.25).
+        "expert": 4 * sizes.layers * _ring("all-to-all", tokens * sizes.dim * c * max(sizes.top_k, 1) * 1.25, e),
+    }
+    moved = {axis: b for axis, b in moved.items() if b}
+    return Estimate(
+        memory_bytes=state + grads + activations,
+        state_bytes=state,
+        activation_bytes=activations,
+        compute_seconds=compute,
+        comm_seconds=comm_seconds(moved, shape, hw),
+        bytes_by_axes=moved,
+    )
