@@ -1,0 +1,134 @@
+"""Every fenced block of the README runs as written.
+
+Python blocks run as they are, each in a fresh process, from a directory that holds the
+repository's ``examples/`` and ``scripts/`` (as a user at the repository's root). Shell blocks run
+through bash with the reductions the README states next to them: training runs 3 steps, the
+planner compiles 1 layout, and a two-node launch runs both nodes here, one process each. The
+set-up commands of the first two blocks are the ones CI runs; the file tree lists real files.
+"""
+
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+README = (ROOT / "README.md").read_text()
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
+BLOCKS = [(m.group(1), m.group(2), README[: m.start()].count("\n") + 1) for m in FENCE.finditer(README)]
+TRAINING = re.compile(r"(shardkit train|scripts/train\.py)")
+
+
+def user_env() -> dict[str, str]:
+    """A user's environment: no simulated-device flags from this test process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """A directory like the repository's root, with real text for ``--data my_text.txt``."""
+    for name in ("examples", "scripts"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / "my_text.txt").write_text((ROOT / "docs" / "architecture.md").read_text() * 4)
+    return tmp_path
+
+
+def commands(block: str) -> list[str]:
+    """The block's shell commands: continuations joined, ``[optional]`` parts and comments dropped."""
+    joined = block.replace("\\\n", " ")
+    out = []
+    for line in joined.splitlines():
+        line = re.sub(r"\s#.*$|^#.*$", "", line)
+        line = re.sub(r"\[[^\]]*\]", "", line).strip()
+        if line:
+            out.append(line)
+    return out
+
+
+def smaller(command: str) -> str:
+    """The reductions the README states: 3 training steps, 1 compiled layout in the planner."""
+    if TRAINING.search(command):
+        command = re.sub(r"\s--steps\s+\d+", "", command) + " --steps 3"
+    if command.startswith("shardkit plan"):
+        command += " --compile-top 1"
+    return command
+
+
+def run(command: str, cwd: pathlib.Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, f"{command!r} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def blocks_of(language: str) -> list[tuple[str, int]]:
+    return [(text, line) for lang, text, line in BLOCKS if lang == language]
+
+
+def test_the_readme_has_only_blocks_this_test_runs():
+    assert {lang for lang, _, _ in BLOCKS} <= {"python", "bash", ""}
+    assert len(blocks_of("python")) >= 4 and len(blocks_of("bash")) >= 5
+
+
+@pytest.mark.parametrize("index", range(len(blocks_of("python"))))
+def test_python_block_runs(index, workdir):
+    text, line = blocks_of("python")[index]
+    script = workdir / f"readme_block_line_{line}.py"
+    script.write_text(text)
+    run(f"{sys.executable} {script.name}", workdir)
+
+
+@pytest.mark.slow
+def test_the_setup_blocks_are_what_ci_runs(workdir):
+    main_job, test_command = (text.strip() for text, _ in blocks_of("bash")[:2])
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert main_job.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install -e . && ")
+    assert test_command.startswith('python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]"')
+    assert 'pip install --quiet -e ".[test]"' in ci and "python3 -m venv" in ci
+    assert f"\n{test_command.split(' && ')[-1]} " in ci or ci.rstrip().endswith(test_command.split(" && ")[-1])
+    # The main job itself, in this environment (the install is the one above).
+    proc = run(smaller(main_job.split(" && ")[-1]), workdir)
+    assert "summary: 3 steps on 8 cpu device(s)" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(2, len(blocks_of("bash"))))
+def test_shell_block_runs(index, workdir):
+    text, _ = blocks_of("bash")[index]
+    for command in map(smaller, commands(text)):
+        if command.startswith("shardkit launch") and "--nnodes 2" in command:
+            two_nodes_here(command, workdir)
+        else:
+            run(command, workdir)
+
+
+def two_nodes_here(command: str, workdir: pathlib.Path) -> None:
+    """Both nodes of a two-node launch on this machine, one process each, on a free local port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = re.sub(r"--coordinator\s+\S+", f"--coordinator 127.0.0.1:{port}", command)
+    command = re.sub(r"--nproc\s+\d+", "--nproc 1", command)
+    other = command.replace("--node-rank 0", "--node-rank 1")
+    assert other != command, "the README's two-node example names --node-rank 0"
+    node1 = subprocess.Popen(["bash", "-c", other], cwd=workdir, env=user_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        run(command, workdir)
+        assert node1.wait(timeout=300) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+
+
+def test_the_file_tree_names_real_files():
+    (tree,) = [text for text, _ in blocks_of("")]
+    ours = [p for top in ("shardkit", "examples") for p in (ROOT / top).rglob("*.py")]
+    for name in re.findall(r"\b([\w/]+\.py)\b", tree):
+        assert any(str(p).endswith(f"/{name}") for p in ours), f"README's file tree names {name}, which does not exist"
