@@ -109,3 +109,25 @@ def test_any_model_benchmark_small(tmp_path):
         assert after[model, "fsdp=8"]["bytes_ratio"] <= 1.05 < before[model, "fsdp=8"]["bytes_ratio"]
         assert after[model, "fsdp=8"]["reduce_scatter"] and not before[model, "fsdp=8"]["reduce_scatter"]
     assert "moved/bound" in out
+
+
+@pytest.mark.slow
+def test_plan_time_benchmark_small(tmp_path):
+    out = run(
+        sys.executable,
+        "benchmarks/plan_time.py",
+        "--model",
+        "tiny",
+        "--devices",
+        "8",
+        "--batch",
+        "16",
+        "--seq",
+        "64",
+        "--json",
+        str(tmp_path / "plan.json"),
+    )
+    result = json.loads((tmp_path / "plan.json").read_text())
+    assert result["met"] and 0 < result["seconds_cache_filled"] < result["seconds_empty_cache"]
+    assert result["compiled"] <= 6 < result["searched"] and result["best_flags"].startswith("--model tiny")
+    assert "goal <= 180 s: met" in out
