@@ -82,16 +82,23 @@ QUICKSTART = [
         "plt.figure(figsize=(6, 3))\nplt.plot(losses)\nplt.xlabel('step')\nplt.ylabel('loss')\n"
         "plt.title('tiny GPT, data=2,fsdp=2,tensor=2')\nplt.show()",
     ),
-    ("markdown", "## What the compiler did\nCollectives in the compiled step, by kind and mesh axes."),
+    (
+        "markdown",
+        "## What the compiler did\nCollectives in the compiled step, by kind and mesh axes, from `trainer.report()`.",
+    ),
     (
         "code",
-        "import collections\nfrom shardkit import hlo\n\n"
-        "compiled = trainer.compile(batch)\n"
-        "counts = collections.Counter()\n"
-        "for c in hlo.collectives(compiled.as_text()):\n"
-        "    counts[(c.kind, '+'.join(hlo.mesh_axes_of(c.groups, trainer.mesh)))] += c.executions\n"
-        "for (kind, axes), n in sorted(counts.items()):\n"
-        "    print(f'{kind:12s} over {axes:10s} x{n}')",
+        "import collections\n\n"
+        "report = trainer.report(batch)\n"
+        "counts, moved = collections.Counter(), collections.Counter()\n"
+        "for c in report.collectives:\n"
+        "    counts[f'{c.kind}\\nover {c.axes}'] += c.count\n"
+        "    moved[f'{c.kind}\\nover {c.axes}'] += c.moved_bytes / 1e6\n"
+        "fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.2), sharey=True)\n"
+        "left.barh(list(counts), list(counts.values())); left.set_xlabel('collectives per step')\n"
+        "right.barh(list(moved), list(moved.values()), color='tab:orange'); right.set_xlabel('MB sent per device per step')\n"
+        "fig.suptitle(f'{trainer.layout.spec()}: what XLA emitted (bound {report.lower_bound[\"bytes_per_device\"] / 1e6:.2f} MB)')\n"
+        "plt.tight_layout(); plt.show()",
     ),
 ]
 
@@ -259,9 +266,17 @@ PLAN = [
     ),
     (
         "code",
-        "fig, axes = plt.subplots(2, 3, figsize=(14, 7))\n"
+        "from matplotlib.lines import Line2D\n"
+        "from matplotlib.patches import Patch\n\n"
+        "fig, axes = plt.subplots(2, 3, figsize=(15, 8))\n"
         "for ax, ((model, gpus), result) in zip(axes.flat, results.items()):\n"
-        '    plans = [p for p in result["plans"] if p["predicted_step_seconds"] is not None][:8]\n'
+        '    plans = [p for p in result["plans"] if p["predicted_step_seconds"] is not None][:6]\n'
+        "    ax.set_title(f\"{model} on {gpus} H100\\nbest: {result['best'] or 'none'}\", fontsize=10)\n"
+        "    if not plans:\n"
+        '        ax.text(0.5, 0.5, "nothing fits in 80 GB per GPU:\\nmore GPUs needed", ha="center", va="center",\n'
+        '                transform=ax.transAxes, fontsize=11, color="tab:red")\n'
+        "        ax.set_xticks([]); ax.set_yticks([])\n"
+        "        continue\n"
         '    names = [p["layout"].replace(",", "\\n") for p in plans]\n'
         '    colors = ["tab:blue" if p["fits"] else "lightgray" for p in plans]\n'
         '    ax.bar(names, [p["predicted_step_seconds"] for p in plans], color=colors)\n'
@@ -269,11 +284,16 @@ PLAN = [
         "    twin = ax.twinx()\n"
         '    twin.plot(names, [p["memory_per_device"] / 1e9 for p in plans], "r^")\n'
         '    twin.axhline(80, color="r", lw=0.5)\n'
+        "    twin.set_ylim(0, 100)\n"
         '    twin.set_ylabel("GB per device", color="r")\n'
-        "    ax.set_title(f\"{model} on {gpus} H100: best {result['best']}\")\n"
         '    ax.set_ylabel("predicted s/step")\n'
-        '    ax.tick_params(axis="x", labelsize=7)\n'
-        "plt.tight_layout()\nplt.show()",
+        '    ax.tick_params(axis="x", labelsize=7, rotation=0)\n'
+        "legend = [Patch(color='tab:blue', label='predicted s/step, fits'), Patch(color='lightgray', label='does not fit'),\n"
+        "          Line2D([], [], color='k', marker='.', ls='', label='s/step with perfect overlap'),\n"
+        "          Line2D([], [], color='r', marker='^', ls='', label='GB per device'),\n"
+        "          Line2D([], [], color='r', lw=0.5, label='80 GB')]\n"
+        'fig.legend(handles=legend, loc="lower center", ncol=5, frameon=False)\n'
+        "plt.tight_layout(rect=(0, 0.05, 1, 1))\nplt.show()",
     ),
     (
         "code",
@@ -331,10 +351,11 @@ PIPELINE = [
         "    ax.set_yticks([s + 0.45 for s in range(schedule.stages)], [f'stage {s}' for s in range(schedule.stages)])\n"
         "    ax.set_title(f'{schedule.name}: p={schedule.stages}, m={schedule.microbatches}, v={v}, '\n"
         "                 f'bubble {schedule.bubble():.3f}, holds up to {schedule.stash} microbatches')\n\n"
-        "fig, axes = plt.subplots(3, 1, figsize=(11, 6.5), sharex=True)\n"
+        "# Each schedule on its own time axis: a shared one would cut the longer rows off.\n"
+        "fig, axes = plt.subplots(3, 1, figsize=(11, 7.5))\n"
         "for ax, (name, v) in zip(axes, [('gpipe', 1), ('1f1b', 1), ('1f1b', 2)]):\n"
         "    draw(make_schedule(name, 4, 8, virtual_stages=v), ax)\n"
-        "axes[2].set_xlabel('time (one stage forward = 1)')\n"
+        "    ax.set_xlabel('time (one stage forward = 1)')\n"
         "plt.tight_layout(); plt.show()\n"
         "print(make_schedule('1f1b', 4, 8).format())",
     ),
@@ -412,7 +433,16 @@ PIPELINE = [
         'print(f"MoE loss {losses[0]:.3f} -> {losses[-1]:.3f}")\n'
         "assert losses[-1] < losses[0] - 1.0\n"
         'report = trainer.report({"tokens": jax.ShapeDtypeStruct((16, 65), jnp.int32)})\n'
-        'print([(c.kind, c.axes, c.op, c.count) for c in report.collectives if c.kind == "all-to-all"])',
+        "by_kind = {}\n"
+        "for c in report.collectives:\n"
+        '    key = f"{c.kind}\\nover {c.axes}"\n'
+        "    by_kind[key] = by_kind.get(key, 0) + c.count\n"
+        "fig, (ax, curve) = plt.subplots(1, 2, figsize=(11, 3.2))\n"
+        'ax.barh(list(by_kind), list(by_kind.values()), color="tab:purple")\n'
+        'ax.set_xlabel("collectives per step"); ax.set_title("MoE step: tokens go to their experts by all-to-all")\n'
+        'curve.plot(losses); curve.set_xlabel("step"); curve.set_ylabel("loss"); curve.set_title("MoE loss")\n'
+        "plt.tight_layout(); plt.show()\n"
+        'assert any(k.startswith("all-to-all") and "expert" in k for k in by_kind)',
     ),
 ]
 
