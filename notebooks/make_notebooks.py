@@ -1,9 +1,18 @@
-"""Write the notebooks from their cells here (so their source is reviewable as Python).
+"""Write the notebooks from their cells here (so their source is reviewable as Python), and run them.
 
-python notebooks/make_notebooks.py      # rewrites notebooks/*.ipynb (outputs empty)
+python notebooks/make_notebooks.py            # rewrites notebooks/*.ipynb and executes them: outputs kept
+python notebooks/make_notebooks.py --no-run   # sources only (outputs empty)
+python notebooks/make_notebooks.py 01 05      # only the notebooks whose names start so
+
+The stored notebooks keep their outputs, pictures included, so a reader browsing the repository
+sees them; ``tests/test_notebooks.py`` re-executes each one and compares the structure of its
+outputs (which cells print, which draw) with the stored one, and its sources with this file.
 """
 
+import os
 import pathlib
+import sys
+import tempfile
 
 import nbformat
 
@@ -92,8 +101,9 @@ QUICKSTART = [
         "report = trainer.report(batch)\n"
         "counts, moved = collections.Counter(), collections.Counter()\n"
         "for c in report.collectives:\n"
-        "    counts[f'{c.kind}\\nover {c.axes}'] += c.count\n"
-        "    moved[f'{c.kind}\\nover {c.axes}'] += c.moved_bytes / 1e6\n"
+        "    axes = '+'.join(c.axes) or 'no mesh axis'\n"
+        "    counts[f'{c.kind}\\nover {axes}'] += c.count\n"
+        "    moved[f'{c.kind}\\nover {axes}'] += c.moved_bytes / 1e6\n"
         "fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.2), sharey=True)\n"
         "left.barh(list(counts), list(counts.values())); left.set_xlabel('collectives per step')\n"
         "right.barh(list(moved), list(moved.values()), color='tab:orange'); right.set_xlabel('MB sent per device per step')\n"
@@ -247,7 +257,7 @@ PLAN = [
     ),
     (
         "code",
-        "import matplotlib.pyplot as plt\n\nimport shardkit as sk\nfrom shardkit.plan import PlanOptions, format_plans, plan",
+        "import matplotlib.pyplot as plt\n\nimport shardkit as sk",
     ),
     (
         "code",
@@ -255,9 +265,9 @@ PLAN = [
         'for model in ["llama2-7b", "llama2-70b"]:\n'
         "    for gpus in [8, 64, 512]:\n"
         "        tensor = (1, 8) if gpus == 8 else (8,)\n"
-        '        options = PlanOptions(remat=("full",), microbatches=(4,), tensor=tensor, sequence=(1,), stage=(1,))\n'
-        '        results[model, gpus] = plan(model, gpus, "h100", batch=2 * gpus, seq=2048, options=options)\n'
-        '        print(format_plans(results[model, gpus], top=5), end="\\n\\n")',
+        '        options = sk.PlanOptions(remat=("full",), microbatches=(4,), tensor=tensor, sequence=(1,), stage=(1,))\n'
+        '        results[model, gpus] = sk.plan(model, gpus, "h100", batch=2 * gpus, seq=2048, options=options)\n'
+        '        print(sk.format_plans(results[model, gpus], top=5), end="\\n\\n")',
     ),
     (
         "markdown",
@@ -435,7 +445,8 @@ PIPELINE = [
         'report = trainer.report({"tokens": jax.ShapeDtypeStruct((16, 65), jnp.int32)})\n'
         "by_kind = {}\n"
         "for c in report.collectives:\n"
-        '    key = f"{c.kind}\\nover {c.axes}"\n'
+        "    axes = '+'.join(c.axes) or 'no mesh axis'\n"
+        '    key = f"{c.kind}\\nover {axes}"\n'
         "    by_kind[key] = by_kind.get(key, 0) + c.count\n"
         "fig, (ax, curve) = plt.subplots(1, 2, figsize=(11, 3.2))\n"
         'ax.barh(list(by_kind), list(by_kind.values()), color="tab:purple")\n'
@@ -507,8 +518,7 @@ BRING_YOUR_OWN = [
         "    renamed = sk.annotate(model, [(r'mlp/down/kernel$', ('mlp', None)), (r'not/in/this/model$', None)])\n"
         "t = sk.Trainer(renamed, optax.adamw(3e-3), 'fsdp=8')\n"
         "print([r['spec'] for r in t.sharding_table() if r['path'].endswith('down/kernel')])\n"
-        "from shardkit.report import sharding_warnings\n"
-        "print(sharding_warnings(t))",
+        "print(sk.report.sharding_warnings(t))",
     ),
     (
         "markdown",
@@ -548,26 +558,54 @@ BRING_YOUR_OWN = [
         "code",
         "options = sk.PlanOptions(tensor=(1, 2), sequence=(1,), stage=(1,), microbatches=(1,))\n"
         "plan = sk.plan(gemma_lm, 8, 'h100', batch=32, seq=64, options=options)\n"
-        "from shardkit.plan import format_plans\n"
-        "print(format_plans(plan))",
+        "print(sk.format_plans(plan))",
     ),
 ]
 
 
-def build(cells, path):
+NOTEBOOKS = {
+    "01_quickstart.ipynb": QUICKSTART,
+    "02_inspect_and_dryrun.ipynb": INSPECT,
+    "03_pipeline_experts_sequence.ipynb": PIPELINE,
+    "04_checkpoint_and_resume.ipynb": CHECKPOINT,
+    "05_plan.ipynb": PLAN,
+    "06_bring_your_own_model.ipynb": BRING_YOUR_OWN,
+}
+
+
+def build(cells) -> nbformat.NotebookNode:
+    """A notebook of ``(kind, source)`` cells, with fixed cell ids so rebuilding changes nothing."""
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [
         nbformat.v4.new_markdown_cell(src) if kind == "markdown" else nbformat.v4.new_code_cell(src)
         for kind, src in cells
     ]
-    nbformat.write(nb, path)
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"cell-{i}"
+    return nb
+
+
+def execute(nb: nbformat.NotebookNode, workdir: str, timeout: int = 900) -> nbformat.NotebookNode:
+    """Run ``nb`` in a fresh Python kernel from ``workdir``, on simulated devices it chooses itself."""
+    from nbclient import NotebookClient
+
+    os.environ["XLA_FLAGS"] = ""  # the notebook chooses its own device count
+    os.environ.pop("MPLBACKEND", None)  # the kernel's inline backend: pictures in the outputs
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": workdir}}).execute()
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)  # timestamps would change every run
+    return nb
 
 
 if __name__ == "__main__":
-    build(QUICKSTART, HERE / "01_quickstart.ipynb")
-    build(INSPECT, HERE / "02_inspect_and_dryrun.ipynb")
-    build(PIPELINE, HERE / "03_pipeline_experts_sequence.ipynb")
-    build(CHECKPOINT, HERE / "04_checkpoint_and_resume.ipynb")
-    build(PLAN, HERE / "05_plan.ipynb")
-    build(BRING_YOUR_OWN, HERE / "06_bring_your_own_model.ipynb")
+    chosen = [a for a in sys.argv[1:] if not a.startswith("--")]
+    for name, cells in NOTEBOOKS.items():
+        if chosen and not any(name.startswith(c) for c in chosen):
+            continue
+        nb = build(cells)
+        if "--no-run" not in sys.argv:
+            with tempfile.TemporaryDirectory() as workdir:
+                execute(nb, workdir)
+            print(f"executed {name}", flush=True)
+        nbformat.write(nb, HERE / name)
