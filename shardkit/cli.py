@@ -6,7 +6,6 @@ With no GPU present, JAX runs on ``--devices`` (default 8) simulated CPU devices
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from collections.abc import Sequence
@@ -101,14 +100,13 @@ def _devices_for(layout: str, devices: int | None) -> int:
 def _use_simulated_devices_if_no_accelerator(n: int) -> None:
     """Ask for ``n`` CPU devices before JAX starts; a GPU/TPU, if present, still wins."""
     _check_device_count(n)
-    import jax
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():  # called in-process (a notebook, a test): devices are set
         return
-    # Only the CPU backend reads this option, so it is harmless where an accelerator is present.
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        jax.config.update("jax_num_cpu_devices", n)
+    from shardkit.devices import ask_for_cpu_devices
+
+    ask_for_cpu_devices(n)  # not started yet: jax.distributed may still need to initialize first
 
 
 def _simulate_exactly(n: int) -> None:

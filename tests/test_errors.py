@@ -167,6 +167,19 @@ def test_simulate_devices_same_count_is_harmless_and_other_count_is_too_late():
         sk.simulate_devices(4)
 
 
+def test_simulate_devices_if_no_accelerator_gives_cpu_devices_here():
+    # This machine has no GPU or TPU: the same call that uses them on a server simulates here,
+    # without forcing the platform (a server's GPUs would win), and stays harmless when repeated.
+    result = run_python(
+        "import jax, shardkit as sk\n"
+        "devices = sk.simulate_devices(4, if_no_accelerator=True)\n"
+        "assert sk.simulate_devices(4, if_no_accelerator=True) == devices\n"
+        "print(len(devices), devices[0].platform, jax.config.jax_platforms or 'unforced')\n",
+        env={"XLA_FLAGS": "", "JAX_PLATFORMS": ""},
+    )
+    assert result.stdout.split() == ["4", "cpu", "unforced"], result.stderr[-2000:]
+
+
 def test_simulate_devices_too_late_in_a_fresh_process():
     result = run_python(
         "import jax, shardkit as sk\n"
