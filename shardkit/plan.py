@@ -116,6 +116,11 @@ class Plan:
         return flags + (f" --schedule {self.schedule}" if self.schedule else "")
 
 
+def _size(nbytes: float) -> str:
+    """Bytes as GB, or MB below one GB (small models on small budgets in tests and notebooks)."""
+    return f"{nbytes / 1e9:.1f} GB" if abs(nbytes) >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
 def _dim_named(abstract: Any, axes: Any, name: str) -> int:
     """The largest size of a parameter dimension called ``name`` (0 when none is)."""
     leaves = jax.tree.leaves(abstract)
@@ -451,7 +456,8 @@ def _plan_of(job: _Candidate, budget: float, hw: Hardware, compute_dtype: str, u
     fields = result["config"]
     fits = result["memory"]["total"] <= budget
     t = predict(result, hw, compute_dtype)
-    note = "" if fits else f"over the budget at the {len(job.results)} settings compiled"
+    over = _size(result["memory"]["total"] - budget)
+    note = "" if fits else f"{over} over the budget at the best of {len(job.results)} settings compiled"
     return Plan(
         job.spec,
         fields["microbatches"],
@@ -574,9 +580,10 @@ def plan(
         if first is None:
             alone = least.state_bytes > budget
             note = (
-                "model state alone exceeds the memory budget (not compiled)"
+                f"model state alone exceeds the memory budget by {_size(least.state_bytes - budget)} (not compiled)"
                 if alone
-                else f"estimated {least.memory_bytes / 1e9:.1f} GB per device at best: over the budget (not compiled)"
+                else f"estimated {_size(least.memory_bytes)} per device at best, "
+                f"{_size(least.memory_bytes - budget)} over the budget (not compiled)"
             )
             remat, mb = settings[estimates.index(least)]
             plans.append(
@@ -657,6 +664,7 @@ def plan(
             "batch": batch,
             "seq": seq,
             "precision": precision.name,
+            "memory_budget": budget,
             "searched": len(layouts),
             "compiled": len(finished),
             "interrupted": interrupted,
@@ -693,7 +701,8 @@ def format_plans(result: dict[str, Any], top: int = 15) -> str:
     """
     lines = [
         f"{result['model']} on {result['devices']} x {result['hardware']}, batch {result['batch']} x seq "
-        f"{result['seq']}, {result['precision']}: {result.get('searched', len(result['plans']))} layouts searched, "
+        f"{result['seq']}, {result['precision']}, {_size(result['memory_budget'])} per device to fill: "
+        f"{result.get('searched', len(result['plans']))} layouts searched, "
         f"{result.get('compiled', '?')} compiled in {result.get('seconds', 0):.0f} s"
         + (" (interrupted: partial table)" if result.get("interrupted") else ""),
         f"{'rank':>4s}  {'layout':28s} {'mb':>3s} {'remat':6s} {'GB/dev':>7s} {'fits':5s} {'step s':>9s} "

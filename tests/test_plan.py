@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import shardkit as sk
 from shardkit.estimate import axis_links
 from shardkit.estimate import predict as estimate
 from shardkit.hardware import PROFILES, Hardware, get_hardware
-from shardkit.plan import Plan, PlanOptions, candidate_layouts, plan
+from shardkit.plan import Plan, PlanOptions, candidate_layouts, format_plans, plan
 
 H100 = PROFILES["h100"]
 
@@ -49,6 +50,8 @@ def test_a_model_that_does_not_fit_under_data_parallelism_gets_fsdp(cache):
     result = plan("mini", 8, small_gpu, batch=8, seq=16, options=options, cache_dir=cache)
     by_layout = {p["layout"]: p for p in result["plans"]}
     assert not by_layout["data=8"]["fits"] and "model state alone exceeds" in by_layout["data=8"]["note"]
+    assert re.search(r"exceeds the memory budget by \d+\.\d MB", by_layout["data=8"]["note"])  # by how much
+    assert "8.0 MB per device to fill" in format_plans(result)
     assert "fsdp" in result["best"]
     assert all(p["memory_per_device"] <= 8e6 for p in result["plans"] if p["fits"])
 
