@@ -92,3 +92,15 @@ def get_hardware(name_or_path: str | Hardware) -> Hardware:
     if name_or_path.endswith(".json") or pathlib.Path(name_or_path).exists():
         return Hardware.from_file(name_or_path)
     raise ShardkitError(f"Unknown hardware {name_or_path!r}: use one of {', '.join(PROFILES)} or a JSON file path.")
+
+
+def profile_of_device(device_kind: str) -> Hardware | None:
+    """The built-in profile of a device by JAX's ``device_kind`` (``"NVIDIA H100 80GB HBM3"``,
+    ``"TPU v5p"``), or None for a device with no published peak (a CPU).
+
+    Example:
+      >>> profile_of_device("NVIDIA H100 80GB HBM3").name, profile_of_device("cpu")
+      ('h100', None)
+    """
+    kind = device_kind.lower().replace(" ", "-").replace("tpu-v5-lite", "tpu-v5e")  # JAX's name for v5e
+    return next((PROFILES[name] for name in ("h200", "h100", "a100", "tpu-v5p", "tpu-v5e") if name in kind), None)

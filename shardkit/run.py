@@ -24,7 +24,10 @@ from shardkit.config import OPTIMIZER_NAMES, TrainConfig
 from shardkit.data import TextDataset, load_text
 from shardkit.errors import ShardkitError
 from shardkit.generate import generate
+from shardkit.hardware import profile_of_device
+from shardkit.model import model_facts
 from shardkit.models.gpt import GPTConfig
+from shardkit.precision import as_precision
 from shardkit.progress import Progress
 from shardkit.stopping import StopRequests
 from shardkit.train import NonFiniteError, Trainer
@@ -63,6 +66,19 @@ def run_fingerprint(cfg: TrainConfig, dataset: TextDataset) -> dict[str, dict[st
             "steps": cfg.steps,
         },
     }
+
+
+def _mfu_text(model: Any, cfg: TrainConfig, tokens_per_second: float, devices: int) -> str:
+    """``MFU 0.41`` from the device's published peak (6N FLOPs per token plus attention, PaLM's
+    count), or why there is none: a CPU has no published peak."""
+    device = jax.devices()[0]
+    profile = profile_of_device(device.device_kind)
+    if profile is None:
+        return f"MFU n/a ({device.platform} has no published peak; benchmarks/mfu.py measures one)"
+    facts = model_facts(model)
+    per_token = 6 * facts["matmul_params"] + 12 * facts["layers"] * facts["dim"] * cfg.seq
+    dtype = jax.numpy.dtype(as_precision(cfg.precision).compute).name
+    return f"MFU {per_token * tokens_per_second / (devices * profile.peak_flops(dtype)):.2f} ({profile.name} peak)"
 
 
 def open_json_log(path: pathlib.Path, first_step: int) -> TextIO:
@@ -260,8 +276,8 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
     per_device = (memory.argument_size_in_bytes + memory.temp_size_in_bytes) / 2**20 if memory else float("nan")
     print(
         f"summary: {len(losses)} steps on {devices} {jax.devices()[0].platform} device(s), layout "
-        f"{trainer.layout.spec()}; {mean_tps:,.0f} tokens/s; {per_device:,.1f} MiB per device (state + temporaries, "
-        f"from the compiled step)",
+        f"{trainer.layout.spec()}; {mean_tps:,.0f} tokens/s; {_mfu_text(model, cfg, mean_tps, devices)}; "
+        f"{per_device:,.1f} MiB per device (state + temporaries, from the compiled step)",
         file=out,
     )
     sample = ""

@@ -176,7 +176,12 @@ def test_plan_cli_json(tmp_path):
 
 
 def test_hardware_profiles_and_files(tmp_path):
+    from shardkit.hardware import profile_of_device
+
     assert get_hardware("h200").memory_bytes == 141e9
+    # The profile of a device by JAX's device_kind (the main job's MFU); none for a CPU.
+    assert profile_of_device("NVIDIA H100 80GB HBM3") is PROFILES["h100"]
+    assert profile_of_device("TPU v5 lite") is PROFILES["tpu-v5e"] and profile_of_device("cpu") is None
     assert PROFILES["tpu-v5p"].peak_flops("bfloat16") == 459e12
     path = tmp_path / "mygpu.json"
     fields = {k: v for k, v in dataclasses.asdict(H100).items() if k != "name"}

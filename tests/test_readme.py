@@ -96,6 +96,7 @@ def test_the_setup_blocks_are_what_ci_runs(workdir):
     # The main job itself, in this environment (the install is the one above).
     proc = run(smaller(main_job.split(" && ")[-1]), workdir)
     assert "summary: 3 steps on 8 cpu device(s)" in proc.stdout
+    assert "MFU n/a (cpu has no published peak" in proc.stdout  # no invented figure on a CPU
 
 
 @pytest.mark.slow
