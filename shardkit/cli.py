@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from shardkit import __version__
-from shardkit.config import OPTIMIZER_NAMES, PRECISION_NAMES, TrainConfig
+from shardkit.config import LR_SCHEDULES, OPTIMIZER_NAMES, PRECISION_NAMES, TrainConfig
 from shardkit.parallel.schedule import SCHEDULES
 
 DEFAULT_SIMULATED_DEVICES = 8
@@ -227,7 +227,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--allow-schedule-change",
         action="store_true",
-        help="resume although --lr, --warmup, --weight-decay, --steps or --optimizer differ from the checkpoint's",
+        help="resume although the schedule (--lr, --warmup, --weight-decay, --lr-schedule, --clip, --b2, --steps, "
+        "--optimizer) differs from the checkpoint's",
     )
     p.add_argument(
         "--run-dir",
@@ -244,6 +245,14 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="with --run-dir: start the run over")
     p.add_argument("--warmup", type=int, default=d.warmup, help="learning-rate warmup steps")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    p.add_argument(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        default=d.lr_schedule,
+        help="after the warmup: cosine decay to lr/10 at the last step, or constant",
+    )
+    p.add_argument("--clip", type=float, default=d.clip, help="clip gradients to this global norm (0: off)")
+    p.add_argument("--b2", type=float, default=d.b2, help="AdamW's second-moment decay")
     p.add_argument(
         "--max-skips",
         type=int,

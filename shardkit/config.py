@@ -13,6 +13,7 @@ from shardkit.errors import ShardkitError
 OPTIMIZER_NAMES = ("adamw", "sgd")
 PRECISION_NAMES = ("fp32", "bf16", "bf16-master")
 NONFINITE_NAMES = ("skip", "halt")
+LR_SCHEDULES = ("cosine", "constant")
 # Settings that change what a resumed run computes; a run directory refuses a change to any of
 # them unless --allow-change names it. The layout is not one: a run resumes onto any layout.
 RESUMABLE_SETTINGS = frozenset(
@@ -24,6 +25,9 @@ RESUMABLE_SETTINGS = frozenset(
         "lr",
         "warmup",
         "weight_decay",
+        "lr_schedule",
+        "clip",
+        "b2",
         "optimizer",
         "dropout",
         "seed",
@@ -48,6 +52,9 @@ class TrainConfig:
     lr: float = 3e-3
     warmup: int = 20
     weight_decay: float = 0.1
+    lr_schedule: str = "cosine"  # warmup, then cosine decay to lr/10 at the last step; or constant
+    clip: float = 1.0  # gradient clipping by global norm (0: off)
+    b2: float = 0.95  # AdamW's second-moment decay
     optimizer: str = "adamw"
     dropout: float = 0.0
     seed: int = 0
@@ -95,6 +102,12 @@ class TrainConfig:
             raise ShardkitError(f"--warmup must be >= 0 steps, got {self.warmup}.")
         if not math.isfinite(self.weight_decay) or self.weight_decay < 0:
             raise ShardkitError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}.")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ShardkitError(f"--lr-schedule {self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}.")
+        if not math.isfinite(self.clip) or self.clip < 0:
+            raise ShardkitError(f"--clip must be a finite number >= 0 (0: no clipping), got {self.clip}.")
+        if not 0.0 < self.b2 < 1.0:
+            raise ShardkitError(f"--b2 must be in (0, 1), e.g. 0.95 or 0.999, got {self.b2}.")
         for name, least in (("microbatches", 1), ("virtual_stages", 1), ("keep_checkpoints", 1)):
             if getattr(self, name) < least:
                 flag = "--" + name.replace("_", "-")

@@ -34,15 +34,22 @@ from shardkit.train import NonFiniteError, Trainer
 
 
 def _schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warmup from 0 to ``--lr``, then cosine decay to lr/10 at the last step (or constant)."""
     warmup = min(cfg.warmup, max(cfg.steps - 1, 1))
+    if cfg.lr_schedule == "constant":
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)], [warmup]
+        )
     return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), cfg.lr * 0.1)
 
 
+def _clipped(cfg: TrainConfig, update: optax.GradientTransformation) -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(cfg.clip), update) if cfg.clip > 0 else update
+
+
 OPTIMIZERS: dict[str, Callable[[TrainConfig], optax.GradientTransformation]] = {
-    "adamw": lambda c: optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(_schedule(c), b2=0.95, weight_decay=c.weight_decay)
-    ),
-    "sgd": lambda c: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(_schedule(c), momentum=0.9)),
+    "adamw": lambda c: _clipped(c, optax.adamw(_schedule(c), b2=c.b2, weight_decay=c.weight_decay)),
+    "sgd": lambda c: _clipped(c, optax.sgd(_schedule(c), momentum=0.9)),
 }
 assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "config.OPTIMIZER_NAMES lists the optimizers the CLI offers"
 
@@ -63,6 +70,9 @@ def run_fingerprint(cfg: TrainConfig, dataset: TextDataset) -> dict[str, dict[st
             "lr": cfg.lr,
             "warmup": cfg.warmup,
             "weight_decay": cfg.weight_decay,
+            "lr_schedule": cfg.lr_schedule,
+            "clip": cfg.clip,
+            "b2": cfg.b2,
             "steps": cfg.steps,
         },
     }

@@ -100,6 +100,9 @@ def train_flags(*extra: str) -> Callable[[pathlib.Path], object]:
 
 CLI_CASES = [
     Case("cli-layout-misspelt-axis", train_flags("--layout", "dta=8"), r"dta.*Did you mean 'data'"),
+    Case("cli-b2-one-or-more", train_flags("--b2", "1.5"), r"--b2 must be in \(0, 1\)"),
+    Case("cli-clip-negative", train_flags("--clip", "-1"), r"--clip must be a finite number >= 0"),
+    Case("cli-lr-schedule-unknown", train_flags("--lr-schedule", "linear"), r"invalid choice: 'linear'"),
     Case("cli-layout-capitalised-axis", train_flags("--layout", "Data=8"), r"Data.*Did you mean 'data'"),
     Case("cli-layout-abbreviations", train_flags("--layout", "dp=2,tp=4"), r"dp.*data"),
     Case("cli-layout-wrong-product", train_flags("--layout", "data=3"), r"3 devices.*8"),

@@ -39,6 +39,24 @@ def test_learning_rate_must_be_finite_and_positive(lr):
         TrainConfig(lr=lr)
 
 
+def test_the_training_recipe_is_set_by_flags():
+    # Warmup, the schedule after it, clipping and AdamW's b2 are flags, not hidden constants.
+    import numpy as np
+    import optax
+
+    from shardkit.run import OPTIMIZERS, _schedule
+
+    cosine = _schedule(TrainConfig(lr=1.0, warmup=10, steps=100))
+    constant = _schedule(TrainConfig(lr=1.0, warmup=10, steps=100, lr_schedule="constant"))
+    assert float(cosine(5)) == float(constant(5)) == 0.5  # the same warmup
+    assert float(cosine(100)) == pytest.approx(0.1) and float(constant(100)) == 1.0
+    grads = {"w": np.full(4, 10.0, np.float32)}  # global norm 20
+    for clip, norm in ((1.0, 1.0), (0.0, 20.0)):
+        sgd = OPTIMIZERS["sgd"](TrainConfig(lr=1.0, warmup=0, steps=2, clip=clip, lr_schedule="constant"))
+        updates, _ = sgd.update(grads, sgd.init(grads))
+        assert float(optax.tree.norm(updates)) == pytest.approx(norm, rel=1e-5)
+
+
 @pytest.mark.parametrize(
     "argv, hint",
     [
