@@ -29,6 +29,20 @@ from shardkit.rules import Fallback, Rules, entry_axes, resolve
 from shardkit.state import TrainState
 
 
+def _check_rows(name: str, rows: int, axes: list[str], mesh_shape: Mapping[str, int]) -> None:
+    """Refuse a batch whose rows do not split over its batch axes, naming the nearest sizes that do."""
+    split = math.prod(mesh_shape[a] for a in axes)
+    if rows % split == 0:
+        return
+    below, above = rows // split * split, (rows // split + 1) * split
+    sizes = f"{below} or {above}" if below else f"{above}"
+    raise ShardkitError(
+        f"batch[{name!r}] has {rows} rows, which do not split over the {split} devices of its batch axes "
+        f"({' x '.join(axes)}): use a multiple of {split}, e.g. {sizes} (--batch on the command line), or a layout "
+        f"whose {' x '.join(axes)} divides {rows}."
+    )
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ShardingPlan:
     """Where every array of a training run lives.
@@ -80,6 +94,8 @@ class ShardingPlan:
         for name, value in batch.items():
             shape = tuple(value.shape)
             names = self.batch_axes.get(name, ("batch",) + (None,) * (len(shape) - 1) if shape else None)
+            if shape and names and names[0] == "batch" and "batch" in self.rules:
+                _check_rows(name, shape[0], [a for a in self.rules["batch"] if mesh_shape.get(a, 1) > 1], mesh_shape)
             specs[name] = resolve(names, shape, self.rules, mesh_shape, what=f"batch[{name!r}]")
         return specs
 

@@ -118,7 +118,8 @@ CLI_CASES = [
     Case(
         "cli-batch-not-divisible",
         train_flags("--batch", "6"),
-        r"batch=6.*does not divide over mesh axes dataxfsdp=4",
+        r"6 rows, which do not split over the 4 devices of its batch axes \(data x fsdp\): use a multiple of 4, "
+        r"e\.g\. 4 or 8 \(--batch on the command line\)",
     ),
     Case("cli-seq-zero", train_flags("--seq", "0"), r"--seq must be at least 1"),
     Case("cli-seq-too-long", train_flags("--seq", "100000"), r"--seq 100000 exceeds .*max_seq"),
@@ -239,7 +240,7 @@ API_CASES = [
     Case(
         "api-batch-rows-indivisible",
         api(lambda: initialized()[0].step(initialized()[1], initialized()[0].shard_batch(batch(rows=12)))),
-        r"batch=12.*does not divide over mesh axes data=8",
+        r"12 rows, which do not split over the 8 devices .*e\.g\. 8 or 16",
         setup=initialized,
     ),
     Case(
