@@ -293,6 +293,19 @@ def _inspect(args: argparse.Namespace) -> None:
     from shardkit.report import sharding_warnings
 
     trainer, batch = trainer_for(_dryrun_config(args))
+    if args.json:  # the same facts for a program: the table's rows, the report, the warnings
+        import json
+
+        report = trainer.report(batch)
+        out = {
+            "model": trainer.model.name,
+            "layout": trainer.layout.spec(),
+            "parameters": trainer.sharding_table(),
+            "report": report.to_dict(),
+            "warnings": sharding_warnings(trainer),
+        }
+        print(json.dumps(out, default=str))
+        return
     print(f"{trainer.model.name}: parameters and their shardings (layout {trainer.layout.spec()})")
     print(trainer.format_sharding_table())
     print()
@@ -316,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shared(dry, "--hardware")
     ins = _subcommand(sub, "inspect", "per-parameter shardings, collectives, memory and warnings")
     _plan_arguments(ins)
+    ins.add_argument("--json", action="store_true", help="print the result as JSON")
     pln = _subcommand(sub, "plan", "rank layouts for a model on N devices of some hardware")
     # The planner is asked about a size, so the device count and the batch shape have no default;
     # it plans for accelerators, so its precision default is bf16 with fp32 master weights.
@@ -400,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "plan":
             from shardkit.plan import run_cli as plan_cli
 
-            _simulate_exactly(args.devices)
+            _check_device_count(args.devices)  # JAX is not started here: the planner compiles in worker processes
             plan_cli(args)
         elif args.command in ("dryrun", "inspect"):
             cfg = _dryrun_config(args)

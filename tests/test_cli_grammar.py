@@ -1,5 +1,6 @@
 """The command line answers at once, says its version, and refuses bad numbers before any work."""
 
+import json
 import re
 import subprocess
 import sys
@@ -128,3 +129,14 @@ def test_help_shows_defaults_and_an_example(command):
     assert f"example: shardkit {command}" in proc.stdout
     if command != "launch":
         assert "(default: " in proc.stdout
+
+
+def test_dryrun_inspect_and_plan_all_answer_in_json():
+    from helpers import run_cli
+
+    proc = run_cli("inspect", "--model", "tiny", "--layout", "fsdp=4,tensor=2", "--batch", "8", "--seq", "32", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["layout"] == "fsdp=4,tensor=2" and result["report"]["devices"] == 8
+    wo = next(p for p in result["parameters"] if p["path"].endswith("attn/wo"))
+    assert wo["spec"] == "[-, tensor, -, fsdp]" and result["report"]["bytes_by_axes"]["fsdp"] > 0
