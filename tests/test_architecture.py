@@ -44,7 +44,7 @@ LAYERS = {
     },
     2: {"report"},
     3: {"steps", "train", "checkpoint"},
-    4: {"dryrun", "plan", "plan_worker", "run", "cli", "__init__"},
+    4: {"dryrun", "plan", "run", "cli", "__init__"},
 }
 LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}
 

@@ -252,7 +252,7 @@ def _plan_workers(marker: str) -> list[int]:
     for proc in pathlib.Path("/proc").iterdir():
         try:
             if (
-                b"shardkit.plan_worker" in (proc / "cmdline").read_bytes()
+                b"shardkit.plan.workers" in (proc / "cmdline").read_bytes()
                 and marker.encode() in (proc / "environ").read_bytes()
             ):
                 found.append(int(proc.name))

@@ -1,0 +1,82 @@
+"""The planner's vocabulary: what a user asks for (:class:`PlanOptions`), one ranked answer
+(:class:`Plan`), and a plan stopped by Ctrl-C (:class:`PlanInterrupted`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shardkit.errors import ShardkitError
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """The search space. ``tensor=None``: powers of two up to the node size that divide the heads;
+    ``sequence=None``: 1, 2, 4, 8 where they divide the sequence and fit in a node with tensor;
+    ``stage=None``: 1, 2, 4, 8 where they divide the layers. Pipelines try microbatches most
+    first (the 1F1B bubble shrinks with more and its memory does not grow); others fewest first.
+    ``compile_top``: how many layouts, the fastest by the analytic estimate, are compiled (``None``:
+    all). ``workers``: processes compiling at once (``None``: one per core, or this process when
+    it already has the devices)."""
+
+    precision: str = "bf16-master"
+    tensor: tuple[int, ...] | None = None
+    sequence: tuple[int, ...] | None = None
+    stage: tuple[int, ...] | None = None
+    expert: tuple[int, ...] | None = None  # None: sizes that divide a mixture's experts
+    schedule: str = "1f1b"
+    remat: tuple[str, ...] = ("none", "full")
+    microbatches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    headroom: float = 0.9  # fraction of device memory a plan may use
+    compile_top: int | None = 6
+    workers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.compile_top is not None and self.compile_top < 1:
+            raise ShardkitError(f"compile_top={self.compile_top}: compile at least 1 layout (or None for all).")
+        if self.workers is not None and self.workers < 1:
+            raise ShardkitError(f"workers={self.workers}: give at least 1 process.")
+
+
+@dataclasses.dataclass
+class Plan:
+    """One layout: the remat and microbatches that first fit, and its predictions.
+
+    ``compiled``: whether the predictions come from a compiled step; a layout pruned by the
+    analytic estimate has only ``estimated_*`` figures and ``fits`` says what the estimate says.
+    """
+
+    layout: str
+    microbatches: int
+    remat: str
+    fits: bool
+    memory_per_device: float
+    bytes_by_axes: dict[str, float]
+    # Predictions from the compiled step: None for a plan that was not compiled.
+    compute_seconds: float | None = None
+    comm_seconds: float | None = None
+    predicted_step_seconds: float | None = None  # compute then communication, no overlap
+    predicted_step_seconds_overlap: float | None = None  # perfect overlap: the larger of the two
+    predicted_mfu: float | None = None
+    note: str = ""
+    schedule: str | None = None
+    compiled: bool = True
+    estimated_step_seconds: float | None = None
+    estimated_memory: float | None = None
+
+    def cli_flags(self) -> str:
+        flags = f"--layout {self.layout} --microbatches {self.microbatches} --remat {self.remat}"
+        return flags + (f" --schedule {self.schedule}" if self.schedule else "")
+
+
+class PlanInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a plan; ``result`` holds the plans compiled so far."""
+
+    def __init__(self, result: dict[str, Any]):
+        super().__init__("plan interrupted")
+        self.result = result
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes as GB, or MB below one GB (small models on small budgets in tests and notebooks)."""
+    return f"{nbytes / 1e9:.1f} GB" if abs(nbytes) >= 1e9 else f"{nbytes / 1e6:.1f} MB"

@@ -1,0 +1,231 @@
+"""``plan(...)``: price every layout, compile the fastest few, rank what the compiler says."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from shardkit.errors import ShardkitError
+from shardkit.estimate import predict
+from shardkit.hardware import Hardware, get_hardware
+from shardkit.model_source import ModelSource, build_model, importable_name, is_factory_ref, load_factory
+from shardkit.plan.cache import DryRunCache
+from shardkit.plan.options import Plan, PlanInterrupted, PlanOptions, size_text
+from shardkit.plan.search import Candidate, ModelFacts, Question, candidate_layouts, price
+from shardkit.plan.workers import compile_candidates
+
+# Settings compiled per layout at most, walking from the one the estimate chose.
+MAX_COMPILES_PER_LAYOUT = 3
+
+
+def plan_of(job: Candidate, budget: float, hw: Hardware, compute_dtype: str, unfinished: bool = False) -> Plan:
+    """The table row of a compiled candidate: its first setting that fits, else its last."""
+    est = job.estimate
+    common = dict(schedule=job.schedule, estimated_step_seconds=est.step_seconds, estimated_memory=est.memory_bytes)
+    if unfinished or not job.results:
+        remat, mb = job.settings[0]
+        note = "not compiled: interrupted" if unfinished else f"compile failed: {job.error}"
+        return Plan(job.spec, mb, remat, False, est.memory_bytes, {}, note=note, compiled=False, **common)
+    result = job.results[-1]
+    fields = result["config"]
+    fits = result["memory"]["total"] <= budget
+    t = predict(result, hw, compute_dtype)
+    over = size_text(result["memory"]["total"] - budget)
+    note = "" if fits else f"{over} over the budget at the best of {len(job.results)} settings compiled"
+    return Plan(
+        job.spec,
+        fields["microbatches"],
+        fields["remat"],
+        fits,
+        result["memory"]["total"],
+        result["bytes_by_axes"],
+        t["compute_seconds"],
+        t["comm_seconds"],
+        t["step_seconds"],
+        t["step_seconds_overlap"],
+        t["mfu"],
+        note=note,
+        **common,
+    )
+
+
+def rank(plans: list[Plan]) -> list[Plan]:
+    """Compiled plans that fit, fastest first; then estimated ones; then those that do not fit."""
+
+    def key(p: Plan) -> tuple[int, float]:
+        if p.compiled and p.fits:
+            return (0, p.predicted_step_seconds or math.inf)
+        if p.fits:
+            return (1, p.estimated_step_seconds or math.inf)
+        return (2, p.memory_per_device)
+
+    return sorted(plans, key=key)
+
+
+def _facts_of(model: ModelSource, options: PlanOptions) -> tuple[ModelFacts, str, PlanOptions]:
+    """The model's facts, the name its dry runs go by, and the options it allows."""
+    factory = model if callable(model) else None
+    if factory is None and not is_factory_ref(model):  # type: ignore[arg-type]
+        return ModelFacts.of_preset(model), model, options  # type: ignore[arg-type, return-value]
+    factory = factory or load_factory(model)  # type: ignore[arg-type]
+    label = model if isinstance(model, str) else importable_name(factory)
+    # A factory builds its own model: remat and depth are its business (see _factory_trainer).
+    return ModelFacts.of_model(label, build_model(factory, label)), label, dataclasses.replace(options, remat=("none",))
+
+
+def _estimated_row(c: Candidate) -> Plan:
+    """The table row of a layout priced but not compiled (slower by the estimate than those that were)."""
+    remat, mb = c.settings[0]
+    est = c.estimate
+    return Plan(
+        c.spec,
+        mb,
+        remat,
+        True,
+        est.memory_bytes,
+        est.bytes_by_axes,
+        note="not compiled: slower by the estimate",
+        schedule=c.schedule,
+        compiled=False,
+        estimated_step_seconds=est.step_seconds,
+        estimated_memory=est.memory_bytes,
+    )
+
+
+def _take_from_cache(question: Question, chosen: list[Candidate], cache: DryRunCache) -> None:
+    """Give each chosen layout its dry runs to compile, less what the cache already knows."""
+    budget = question.budget
+    for c in chosen:
+        configs = [question.dry_run(c.spec, r, mb, c.schedule) for r, mb in c.settings[:MAX_COMPILES_PER_LAYOUT]]
+        for cfg in configs:
+            cached = cache.get(cfg, question.facts.fingerprint)
+            if cached is None:
+                break
+            c.results.append({**cached, "config": dataclasses.asdict(cfg)})
+            if cached["memory"]["total"] <= budget:
+                break
+        c.cached = len(c.results)
+        fitted = bool(c.results) and c.results[-1]["memory"]["total"] <= budget
+        c.configs = [] if fitted else configs[len(c.results) :]
+
+
+def _result(
+    question: Question,
+    rows: list[Plan],
+    searched: int,
+    compiled: int,
+    seconds: float,
+    interrupted: bool = False,
+) -> dict[str, Any]:
+    """The answer as a dict: the ranked rows, the best one and its complete ``shardkit train`` flags."""
+    ranked = rank(rows)
+    best = ranked[0] if ranked and ranked[0].compiled and ranked[0].fits else None
+    precision = question.precision.name
+    flags = None
+    if best:
+        flags = f"--model {question.model_name} --batch {question.batch} --seq {question.seq} {best.cli_flags()} "
+        flags += f"--precision {precision}"
+    return {
+        "model": question.model_name,
+        "devices": question.devices,
+        "hardware": question.hw.name,
+        "batch": question.batch,
+        "seq": question.seq,
+        "precision": precision,
+        "memory_budget": question.budget,
+        "searched": searched,
+        "compiled": compiled,
+        "interrupted": interrupted,
+        "seconds": seconds,
+        "best": best.layout if best else None,
+        "best_flags": flags,
+        "plans": [dataclasses.asdict(p) for p in ranked],
+    }
+
+
+def plan(
+    model: ModelSource,
+    devices: int,
+    hardware: str | Hardware,
+    batch: int,
+    seq: int,
+    options: PlanOptions | None = None,
+    *,
+    cache_dir: str | pathlib.Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Rank the layouts of ``model`` on ``devices`` devices of ``hardware``.
+
+    Every layout is priced analytically; the fastest ``options.compile_top`` are compiled (in
+    worker processes with ``devices`` simulated devices, or here when this process already has
+    them) and ranked by the step time their compiled programs predict.
+
+    Args:
+      model: a GPT preset name, a model factory or its ``"package.module:function"`` name.
+      devices: the device count to plan for.
+      hardware: a profile name (``h100``, ...) or a :class:`~shardkit.hardware.Hardware`.
+      batch, seq: global batch rows and sequence length.
+      options: the search space (:class:`PlanOptions`).
+      cache_dir: where compiled dry runs are cached (default ``~/.cache/shardkit``).
+      progress: called with a line of text for each step of the search ("k of N").
+
+    Returns:
+      ``{"best": layout string or None, "best_flags": CLI flags, "plans": [plan dicts, ranked],
+      "searched", "compiled", "hardware", "model", "devices", "batch", "seq", "seconds"}``.
+
+    Raises:
+      PlanInterrupted: on Ctrl-C, with the plans compiled so far in ``.result``.
+
+    Example:
+      >>> result = plan("tiny", 8, "h100", batch=16, seq=64)   # doctest: +SKIP
+      >>> result["best"]                                         # doctest: +SKIP
+      'data=8'
+    """
+    start = time.perf_counter()
+    say = progress or (lambda _: None)
+    facts, model_name, options = _facts_of(model, options or PlanOptions())
+    question = Question(facts, model_name, devices, get_hardware(hardware), batch, seq, options)
+    layouts = candidate_layouts(facts, devices, batch, question.hw, options, seq)
+    pruned, candidates = price(question, layouts)
+    if not pruned and not candidates:
+        raise ShardkitError(
+            f"No layout of {model_name} divides over {devices} devices with batch {batch}: choose a batch divisible by "
+            "the device count, or another device count."
+        )
+    chosen = candidates[: options.compile_top] if options.compile_top else candidates
+    rows = pruned + [_estimated_row(c) for c in candidates[len(chosen) :]]
+    cache = DryRunCache(cache_dir)
+    _take_from_cache(question, chosen, cache)
+    say(
+        f"{len(layouts)} layouts: {len(layouts) - len(candidates)} over the memory budget by estimate; compiling "
+        f"the {len(chosen)} fastest of the other {len(candidates)} by estimate "
+        f"({sum(bool(c.configs) for c in chosen)} not cached)"
+    )
+    finished = [c for c in chosen if not c.configs]
+    budget, hw, dtype = question.budget, question.hw, question.compute_dtype
+
+    def done(job: Candidate) -> None:
+        for cfg, result in zip(job.configs, job.results[job.cached :], strict=False):
+            cache.put(cfg, result, facts.fingerprint)
+        finished.append(job)
+        row = plan_of(job, budget, hw, dtype)
+        step = f"{row.predicted_step_seconds:.3f} s/step" if row.predicted_step_seconds is not None else row.note
+        say(
+            f"[{len(finished)} of {len(chosen)}] {row.layout} remat={row.remat} microbatches={row.microbatches}: "
+            f"{row.memory_per_device / 1e9:.2f} GB/device ({'fits' if row.fits else 'does not fit'}), {step} "
+            f"(estimate {job.estimate.step_seconds:.3f} s)"
+        )
+
+    def answer(interrupted: bool = False) -> dict[str, Any]:
+        rows_now = rows + [plan_of(c, budget, hw, dtype, unfinished=c not in finished) for c in chosen]
+        return _result(question, rows_now, len(layouts), len(finished), time.perf_counter() - start, interrupted)
+
+    try:
+        compile_candidates(chosen, facts, devices, budget, options.workers, done)
+    except KeyboardInterrupt:
+        raise PlanInterrupted(answer(interrupted=True)) from None
+    return answer()

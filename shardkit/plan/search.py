@@ -1,0 +1,280 @@
+"""The planner's search space and its analytic pass: which layouts a model allows on N devices,
+and what each one is estimated to cost before anything is compiled."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+from typing import Any
+
+import jax
+
+from shardkit.dryrun import DryRunConfig
+from shardkit.errors import ShardkitError
+from shardkit.estimate import Estimate, ModelSizes, analytic, axis_links
+from shardkit.hardware import Hardware
+from shardkit.model import Model, model_facts
+from shardkit.models.gpt import GPTConfig
+from shardkit.partition import Axes, specs_for
+from shardkit.plan.options import Plan, PlanOptions, size_text
+from shardkit.precision import Precision, as_precision
+from shardkit.rules import default_rules
+
+# An estimate within this factor of the budget is worth compiling: the formulas count
+# activations only to a small factor.
+MEMORY_SLACK = 1.15
+
+
+def _dim_named(abstract: Any, axes: Any, name: str) -> int:
+    """The largest size of a parameter dimension called ``name`` (0 when none is)."""
+    leaves = jax.tree.leaves(abstract)
+    names = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, Axes))
+    return max(
+        (n for leaf, ax in zip(leaves, names, strict=True) for n, a in zip(leaf.shape, ax.names or ()) if a == name),
+        default=0,
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelFacts:
+    """What the planner needs of a model: its sizes and which splits its parameters allow.
+
+    Built from a GPT preset (:meth:`of_preset`) or from any :class:`shardkit.Model`
+    (:meth:`of_model`), whose parameters' own names and shapes decide what divides.
+    """
+
+    name: str
+    params: int
+    n_layers: int
+    n_experts: int = 0
+    can_pipeline: bool = False
+    gpt: GPTConfig | None = None
+    model: Model | None = None
+    fingerprint: str = ""
+    abstract_params: Any = None  # the model's parameter shapes, evaluated once
+    sizes: ModelSizes | None = None
+
+    @classmethod
+    def of_preset(cls, name: str) -> ModelFacts:
+        return cls.of_gpt(GPTConfig.preset(name), name)
+
+    @classmethod
+    def of_gpt(cls, cfg: GPTConfig, name: str = "GPT") -> ModelFacts:
+        expert_params = cfg.n_layers * cfg.n_experts * 3 * cfg.dim * cfg.mlp_dim
+        sizes = ModelSizes(
+            params=cfg.num_params(),
+            layers=cfg.n_layers,
+            dim=cfg.dim,
+            heads=cfg.n_heads,
+            kv_dim=cfg.n_kv_heads * cfg.head_dim,
+            vocab=cfg.vocab,
+            matmul_params=cfg.num_params() - cfg.vocab * cfg.dim,
+            expert_params=expert_params,
+            experts=cfg.n_experts,
+            top_k=cfg.top_k if cfg.n_experts else 0,
+        )
+        return cls(name, cfg.num_params(), cfg.n_layers, cfg.n_experts, cfg.scan_layers, gpt=cfg, sizes=sizes)
+
+    @classmethod
+    def of_model(cls, name: str, model: Model) -> ModelFacts:
+        abstract = model.abstract_params()
+        leaves = jax.tree.leaves(abstract)
+        raw = json.dumps(
+            [[list(x.shape), str(x.dtype)] for x in leaves]
+            + [str(a) for a in jax.tree.leaves(model.axes, is_leaf=lambda x: isinstance(x, Axes))]
+        )
+        info = model_facts(model)
+        layers = model.stages.n_layers if model.stages else int(info.get("layers", 0))
+        params = sum(x.size for x in leaves)
+        sizes = ModelSizes(
+            params=params,
+            layers=layers,
+            dim=int(info.get("dim", 0)),
+            heads=int(info.get("heads", 0)),
+            vocab=int(info.get("vocab", 0)) or _dim_named(abstract, model.axes, "vocab"),
+            matmul_params=int(info.get("matmul_params", 0)),
+        )
+        return cls(
+            name,
+            params,
+            layers,
+            can_pipeline=model.stages is not None,
+            model=model,
+            fingerprint=hashlib.sha256(raw.encode()).hexdigest()[:16],
+            abstract_params=abstract,
+            sizes=sizes,
+        )
+
+    def divides(self, shape: dict[str, int]) -> bool:
+        """Whether every parameter splits evenly under a layout of mesh axis sizes ``shape``."""
+        t, f = shape.get("tensor", 1), shape.get("fsdp", 1)
+        if self.gpt is not None:
+            g = self.gpt
+            return not (g.n_kv_heads % t or g.n_heads % t or g.mlp_dim % t or g.vocab % t or g.dim % f)
+        assert self.model is not None
+        try:
+            specs_for(self.model.axes, self.abstract_params, default_rules(), shape)
+        except ShardkitError:
+            return False
+        return True
+
+
+def candidate_layouts(
+    facts: ModelFacts | GPTConfig, devices: int, batch: int, hw: Hardware, options: PlanOptions, seq: int | None = None
+) -> list[dict[str, int]]:
+    """Every ``data x fsdp x tensor x sequence x stage x expert`` split of the devices that the
+    model, the batch and the sequence length ``seq`` allow: at most one of ``sequence``, ``stage``
+    and ``expert`` above 1 (``expert`` only for a mixture of experts, ``stage`` only for a model
+    that says how it splits into stages); tensor and sequence inside a node."""
+    if isinstance(facts, GPTConfig):
+        facts = ModelFacts.of_gpt(facts)
+    tensors = options.tensor or tuple(t for t in (1, 2, 4, 8, 16) if t <= hw.devices_per_node)
+    experts = options.expert or tuple(e for e in (1, 2, 4, 8, 16) if facts.n_experts and facts.n_experts % e == 0)
+
+    def allowed(t: int, s: int, p: int, e: int) -> bool:
+        return (
+            devices % (t * s * p * e) == 0
+            and (s == 1 or (seq is not None and seq % s == 0))
+            and (p == 1 or (facts.can_pipeline and facts.n_layers % p == 0))
+            and (e == 1 or (facts.n_experts > 0 and facts.n_experts % e == 0))
+            and sum(x > 1 for x in (s, p, e)) <= 1  # pipelines and islands do not nest yet
+        )
+
+    out = []
+    for t, s, p, e in itertools.product(
+        tensors, options.sequence or (1, 2, 4, 8), options.stage or (1, 2, 4, 8), experts or (1,)
+    ):
+        if not allowed(t, s, p, e):
+            continue
+        rest = devices // (t * s * p * e)
+        for f in (f for f in range(1, rest + 1) if rest % f == 0):
+            d = rest // f
+            shape = {"data": d, "fsdp": f, "tensor": t, "sequence": s, "stage": p, "expert": e}
+            if not facts.divides(shape):
+                continue
+            links = axis_links(shape, hw)
+            # Stages come after tensor in the mesh order, so t * s * p devices must fit in a node
+            # or tensor steps between nodes; the link check covers the node size for tensor and
+            # sequence. (Pipelines between nodes with tensor inside need across_hosts=stage, not
+            # searched yet.)
+            if batch % (d * f * e) == 0 and links["tensor"] == links["sequence"] == "intra":
+                out.append(shape)
+    return out
+
+
+def spec_of(shape: dict[str, int]) -> str:
+    return ",".join(f"{a}={s}" for a, s in shape.items() if s > 1) or "data=1"
+
+
+def settings_of(options: PlanOptions, shape: dict[str, int], batch: int, schedule: str | None) -> list[tuple[str, int]]:
+    """Remat policies and microbatch counts this layout's batch split allows, cheapest first."""
+    counts = sorted(options.microbatches, reverse=schedule is not None)
+    rows = shape["data"] * shape["fsdp"] * shape["expert"]
+    return [(remat, mb) for remat in options.remat for mb in counts if batch % (rows * mb) == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+    """One planning question: a model on ``devices`` devices of ``hw``, a batch shape, a search space."""
+
+    facts: ModelFacts
+    model_name: str  # what its dry runs and the printed command call it
+    devices: int
+    hw: Hardware
+    batch: int
+    seq: int
+    options: PlanOptions
+
+    @property
+    def precision(self) -> Precision:
+        return as_precision(self.options.precision)
+
+    @property
+    def budget(self) -> float:
+        """Bytes per device a plan may use."""
+        return self.options.headroom * self.hw.memory_bytes
+
+    @property
+    def compute_dtype(self) -> str:
+        return jax.numpy.dtype(self.precision.compute).name
+
+    def estimate(self, shape: dict[str, int], remat: str, microbatches: int, schedule: str | None) -> Estimate:
+        """The analytic estimate of one setting of one layout."""
+        precision = self.precision
+        assert self.facts.sizes is not None
+        return analytic(
+            self.facts.sizes,
+            shape,
+            self.hw,
+            batch=self.batch,
+            seq=self.seq,
+            precision=precision.name,
+            compute_itemsize=jax.numpy.dtype(precision.compute).itemsize,
+            # What the compiled step gathers and reduces: the fp32 master copy and its gradients, if any.
+            comm_itemsize=jax.numpy.dtype(precision.master or precision.params).itemsize,
+            remat=remat,
+            microbatches=microbatches,
+            schedule=schedule,
+        )
+
+    def dry_run(self, spec: str, remat: str, microbatches: int, schedule: str | None) -> DryRunConfig:
+        """The dry run that compiles one setting of one layout."""
+        return DryRunConfig(
+            model=self.model_name,
+            layout=spec,
+            batch=self.batch,
+            seq=self.seq,
+            precision=self.precision.name,
+            microbatches=microbatches,
+            remat=remat,
+            schedule=schedule,
+        )
+
+
+@dataclasses.dataclass
+class Candidate:
+    """A layout that survived the analytic pass: the settings to compile, cheapest first."""
+
+    shape: dict[str, int]
+    spec: str
+    schedule: str | None
+    settings: list[tuple[str, int]]  # (remat, microbatches), from the one the estimate chose
+    estimate: Estimate  # at settings[0]
+    configs: list[DryRunConfig] = dataclasses.field(default_factory=list)
+    results: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    cached: int = 0  # how many of ``results`` came from the cache
+    error: str = ""
+
+
+def price(question: Question, layouts: list[dict[str, int]]) -> tuple[list[Plan], list[Candidate]]:
+    """Every layout's settings priced analytically: the rows of layouts over the memory budget at
+    every setting (not worth compiling), and the other layouts, fastest estimate first, each from
+    the cheapest setting the estimate says fits."""
+    budget = question.budget
+    pruned: list[Plan] = []
+    candidates: list[Candidate] = []
+    for shape in layouts:
+        spec = spec_of(shape)
+        schedule = question.options.schedule if shape["stage"] > 1 else None
+        settings = settings_of(question.options, shape, question.batch, schedule)
+        if not settings:
+            continue
+        estimates = [question.estimate(shape, remat, mb, schedule) for remat, mb in settings]
+        least = min(estimates, key=lambda e: e.memory_bytes)
+        first = next((i for i, e in enumerate(estimates) if e.memory_bytes <= budget * MEMORY_SLACK), None)
+        if first is not None:
+            candidates.append(Candidate(shape, spec, schedule, settings[first:], estimates[first]))
+            continue
+        note = (
+            f"model state alone exceeds the memory budget by {size_text(least.state_bytes - budget)} (not compiled)"
+            if least.state_bytes > budget
+            else f"estimated {size_text(least.memory_bytes)} per device at best, "
+            f"{size_text(least.memory_bytes - budget)} over the budget (not compiled)"
+        )
+        remat, mb = settings[estimates.index(least)]
+        pruned.append(
+            Plan(spec, mb, remat, False, least.memory_bytes, {}, note=note, schedule=schedule, compiled=False)
+        )
+    return pruned, sorted(candidates, key=lambda c: c.estimate.step_seconds)

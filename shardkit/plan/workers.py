@@ -1,0 +1,167 @@
+"""The planner's compiles: in this process, or in worker processes of N simulated devices.
+
+``python -m shardkit.plan.workers DEVICES`` is one worker: it starts JAX once with ``DEVICES``
+simulated CPU devices, then reads one job per line on stdin, ``{"configs": [DryRunConfig fields,
+...], "budget": bytes}``, compiles the configurations in order until one fits the budget, and
+answers one line on stdout, ``{"results": [report dicts]}`` (with ``"error"`` when a
+configuration failed to compile). The planner keeps a few alive so that each compile pays for
+JAX's start-up only once per process, and kills them when it ends, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import jax
+from jax._src import xla_bridge
+
+from shardkit.dryrun import DryRunConfig, _in_process, can_run_here
+from shardkit.errors import ShardkitError
+from shardkit.model_source import factory_ref, is_factory_ref
+from shardkit.plan.search import Candidate, ModelFacts
+
+
+class Workers:
+    """A few worker processes (this module's :func:`main`) with ``devices`` simulated devices each."""
+
+    def __init__(self, count: int, devices: int):
+        path = os.pathsep.join(p for p in [*sys.path, os.environ.get("PYTHONPATH", "")] if p)
+        flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
+        env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
+        self.logs = [tempfile.TemporaryFile("w+") for _ in range(count)]  # noqa: SIM115 - closed in close_logs()
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "shardkit.plan.workers", str(devices)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=env,
+            )
+            for log in self.logs
+        ]
+        self.idle: list[int] = list(range(count))
+        self.lock = threading.Lock()
+
+    def run(self, configs: list[DryRunConfig], budget: float) -> dict[str, Any]:
+        """Compile ``configs`` in order on an idle worker until one fits; its reply."""
+        with self.lock:
+            i = self.idle.pop()
+        proc, log = self.procs[i], self.logs[i]
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(json.dumps({"configs": [dataclasses.asdict(c) for c in configs], "budget": budget}) + "\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            log.seek(0)
+            raise ShardkitError(f"A planner worker process ended unexpectedly:\n{log.read()[-2000:]}")
+        with self.lock:
+            self.idle.append(i)
+        return json.loads(line)
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+    def close_logs(self) -> None:
+        for log in self.logs:
+            log.close()
+
+
+def compile_candidates(
+    jobs: list[Candidate],
+    facts: ModelFacts,
+    devices: int,
+    budget: float,
+    workers: int | None,
+    done: Callable[[Candidate], None],
+) -> None:
+    """Compile each job's configurations (until one fits), here or in worker processes."""
+    pending = [j for j in jobs if j.configs]
+    if not pending:
+        return
+    here = can_run_here(devices)
+    importable = facts.model is None or is_factory_ref(pending[0].configs[0].model)
+    if workers is None:
+        started = xla_bridge.backends_are_initialized()
+        workers = 1 if here and started else min(len(os.sched_getaffinity(0)), len(pending))
+    if (here and workers == 1) or not importable:
+        if not here:  # a factory only this process knows: say how to make it importable
+            factory_ref(facts.model)  # type: ignore[arg-type]
+        if not xla_bridge.backends_are_initialized():
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_num_cpu_devices", devices)
+        factory = (lambda: facts.model) if facts.model is not None else None
+        for job in pending:
+            try:
+                for cfg in job.configs:
+                    job.results.append(_in_process(cfg, factory))
+                    if job.results[-1]["memory"]["total"] <= budget:
+                        break
+            except ShardkitError as e:
+                job.error = str(e)
+            done(job)
+        return
+    pool = Workers(min(workers, len(pending)), devices)
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=len(pool.procs))
+    try:
+        futures = {executor.submit(pool.run, job.configs, budget): job for job in pending}
+        for future in concurrent.futures.as_completed(futures):
+            job = futures[future]
+            reply = future.result()
+            job.results.extend(reply["results"])
+            job.error = reply.get("error", "")
+            done(job)
+    finally:
+        pool.kill()  # also on Ctrl-C: no worker outlives the plan
+        executor.shutdown(wait=True, cancel_futures=True)
+        pool.close_logs()
+
+
+def serve(devices: int, jobs: TextIO, replies: TextIO) -> None:
+    """A worker: answer each job line of ``jobs`` with one line on ``replies``."""
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", devices)
+    for line in jobs:
+        job = json.loads(line)
+        results: list[dict[str, Any]] = []
+        reply: dict[str, Any] = {"results": results}
+        try:
+            for fields in job["configs"]:
+                results.append(_in_process(DryRunConfig(**fields)))
+                if results[-1]["memory"]["total"] <= job["budget"]:
+                    break
+        except Exception as e:  # one layout that fails to compile is one row of the plan, not the end of it
+            reply["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
+def main() -> None:
+    # Ctrl-C in a terminal reaches the whole process group: the planner answers it (it prints
+    # the partial table and kills its workers), so a worker ignores it. A planner that dies
+    # closes the pipe, and the worker ends after its current compile.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Replies go to the real stdout; anything else printed while compiling goes to stderr.
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout = sys.stderr
+    serve(int(sys.argv[1]), sys.stdin, replies)
+
+
+if __name__ == "__main__":
+    main()
