@@ -157,10 +157,11 @@ class Layout:
         has_rest = any(s == -1 for _, s in self.sizes)
         if has_rest:
             if num_devices % known:
+                sizes = ", ".join(str(d) for d in range(1, num_devices + 1) if num_devices % d == 0)
                 raise ShardkitError(
-                    f"Layout {self.spec()} cannot fill {num_devices} devices: the fixed axes use "
-                    f"{known}, which does not divide {num_devices}. Choose sizes whose product "
-                    f"divides {num_devices}."
+                    f"Layout {self.spec()} cannot fill {num_devices} device{'s' * (num_devices != 1)}: the fixed "
+                    f"axes use {known}, which does not divide {num_devices}. Make their product divide {num_devices} "
+                    f"(one of {sizes}), or run on a multiple of {known} devices ({_more_devices(known)})."
                 )
             filled = tuple((a, num_devices // known if s == -1 else s) for a, s in self.sizes)
             return dataclasses.replace(self, sizes=filled)
@@ -168,8 +169,7 @@ class Layout:
             raise ShardkitError(
                 f"Layout {self.spec()} needs {known} devices but {num_devices} are available. "
                 f"Make the sizes multiply to {num_devices} (e.g. put -1 on one axis: "
-                f"'{_example_fill(self)}'), or run on {known} devices "
-                f"(sk.simulate_devices({known}) on CPU)."
+                f"'{_example_fill(self)}'), or run on {known} devices ({_more_devices(known)})."
             )
         return self
 
@@ -263,6 +263,11 @@ def _hybrid_devices(layout: Layout, devices: list[jax.Device]) -> np.ndarray:
     for flat, group in enumerate(per_host):
         blocks[np.unravel_index(flat, dcn)] = np.asarray(group, dtype=object).reshape(ici)
     return np.block(blocks.tolist()) if len(dcn) > 1 else np.concatenate(list(blocks))
+
+
+def _more_devices(n: int) -> str:
+    """How a user gets ``n`` devices: the command line's flag, or the library's call on CPU."""
+    return f"--devices {n} on the command line; sk.simulate_devices({n}) in Python, on CPU"
 
 
 def _example_fill(layout: Layout) -> str:
