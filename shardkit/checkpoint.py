@@ -64,6 +64,19 @@ class _QuietOrbaxErrors(logging.Filter):
 logging.getLogger("absl").addFilter(_QuietOrbaxErrors())
 
 
+class _QuietAbandonedWrites(logging.Filter):
+    """Drops asyncio's "Task/Future exception was never retrieved" for the pending writes of a
+    failed save (orbax's write tasks into a checkpoint's temporary directory, garbage-collected
+    after the save failed and was reported once); any other unretrieved task is still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("exception was never retrieved" in text and _TMP_MARK in text)
+
+
+logging.getLogger("asyncio").addFilter(_QuietAbandonedWrites())
+
+
 def _quiet_closed_loops(hook: Callable[[Any], None]) -> Callable[[Any], None]:
     """An unraisable-exception hook that drops the "Event loop is closed" errors tensorstore's
     callbacks raise after orbax closed the event loop of a failed save (one per pending write)."""
