@@ -8,12 +8,14 @@ import difflib
 import math
 import pathlib
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import InputError, ShardkitError
+from shardkit.flags import same_as, setting
 
 OPTIMIZER_NAMES = ("adamw", "sgd")
 PRECISION_NAMES = ("fp32", "bf16", "bf16-master")
 NONFINITE_NAMES = ("skip", "halt")
 LR_SCHEDULES = ("cosine", "constant")
+SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules (shardkit.parallel.schedule)
 # Settings that change what a resumed run computes; a run directory refuses a change to any of
 # them unless --allow-change names it. The layout is not one: a run resumes onto any layout.
 RESUMABLE_SETTINGS = frozenset(
@@ -44,40 +46,60 @@ RESUMABLE_SETTINGS = frozenset(
 class TrainConfig:
     """Every knob of the main job (the CLI flags of ``shardkit train``)."""
 
-    model: str = "mini"
-    layout: str = "data=2,fsdp=2,tensor=2"
-    steps: int = 500
-    batch: int = 16
-    seq: int = 128
-    lr: float = 3e-3
-    warmup: int = 20
-    weight_decay: float = 0.1
-    lr_schedule: str = "cosine"  # warmup, then cosine decay to lr/10 at the last step; or constant
-    clip: float = 1.0  # gradient clipping by global norm (0: off)
-    b2: float = 0.95  # AdamW's second-moment decay
-    optimizer: str = "adamw"
-    dropout: float = 0.0
-    seed: int = 0
-    data: str | None = None
-    json_log: str | None = None
-    precision: str = "fp32"
-    microbatches: int = 1
-    remat: str = "none"
-    nonfinite: str = "skip"
-    max_skips: int = 10  # skipped steps in a row that stop the run (0: never)
-    sequence_parallel: bool = False
-    schedule: str | None = None  # pipeline schedule with stage > 1 (default 1f1b)
-    virtual_stages: int = 1  # interleaved pipeline stages: chunks of layers per device
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 3
-    reset_optimizer: bool = False  # resume the parameters with a fresh optimizer state
-    allow_schedule_change: bool = False  # resume under another lr, warmup, steps or weight decay
-    sample_tokens: int = 200
-    prompt: str = "def "
-    run_dir: str | None = None  # one directory per run: config.json, checkpoints/, log.jsonl
-    allow_change: tuple[str, ...] = ()  # settings a resumed run may change (names of flags)
-    overwrite: bool = False  # start the run in run_dir over
+    model: str = setting(
+        "mini",
+        "a GPT preset (tiny, mini, gpt2-small, ..., llama2-70b, mixtral-8x7b); dryrun, inspect and plan also take "
+        "your own factory as package.module:function",
+    )
+    layout: str = setting("data=2,fsdp=2,tensor=2", "mesh axis sizes, e.g. data=2,fsdp=-1,tensor=2 (-1 fills the rest)")
+    steps: int = setting(500, "optimizer steps")
+    batch: int = setting(16, "global batch (sequences per step)")
+    seq: int = setting(128, "sequence length (tokens the model sees per sequence)")
+    lr: float = setting(3e-3, "peak learning rate")
+    warmup: int = setting(20, "learning-rate warmup steps")
+    weight_decay: float = setting(0.1, "AdamW weight decay")
+    lr_schedule: str = setting(
+        "cosine", "after the warmup: cosine decay to lr/10 at the last step, or constant", choices=LR_SCHEDULES
+    )
+    clip: float = setting(1.0, "clip gradients to this global norm (0: off)")
+    b2: float = setting(0.95, "AdamW's second-moment decay")
+    optimizer: str = setting("adamw", "the optax optimizer", choices=OPTIMIZER_NAMES)
+    dropout: float = setting(0.0, "dropout rate (the same masks on every layout)")
+    seed: int = setting(0, "seed of the initial parameters, dropout and data order")
+    data: str | None = setting(None, "a text file (or directory of *.txt) instead of the built-in corpus")
+    json_log: str | None = setting(None, "write one JSON object per step to this file")
+    precision: str = setting("fp32", "mixed-precision policy", choices=PRECISION_NAMES)
+    microbatches: int = setting(1, "gradient accumulation steps; with stage>1, the microbatches in the pipeline")
+    remat: str = setting("none", "rematerialisation per layer: none, full, dots, dots_no_batch")
+    nonfinite: str = setting("skip", "a step with NaN/Inf is skipped or stops the run", choices=NONFINITE_NAMES)
+    max_skips: int = setting(10, "non-finite steps skipped in a row that stop the run (0: never)")
+    sequence_parallel: bool = setting(False, "Megatron sequence parallelism on the tensor axis")
+    schedule: str | None = setting(None, "pipeline schedule with stage>1 (default 1f1b)", choices=SCHEDULES)
+    virtual_stages: int = setting(1, "interleaved pipeline stages per device (chunks of layers)")
+    checkpoint_dir: str | None = setting(
+        None, "save checkpoints here and resume from the newest one (under any layout)"
+    )
+    checkpoint_every: int = setting(100, "steps between checkpoints")
+    keep_checkpoints: int = setting(3, "checkpoints kept (the newest)")
+    reset_optimizer: bool = setting(False, "resume the parameters with a fresh optimizer state")
+    allow_schedule_change: bool = setting(
+        False,
+        "resume although the schedule (--lr, --warmup, --weight-decay, --lr-schedule, --clip, --b2, --steps, "
+        "--optimizer) differs from the checkpoint's",
+    )
+    sample_tokens: int = setting(200, "tokens to generate at the end")
+    prompt: str = setting("def ", "the prompt of the sample")
+    run_dir: str | None = setting(
+        None, "one directory per run: config.json, checkpoints/ and log.jsonl; run again to resume"
+    )
+    allow_change: tuple[str, ...] = setting(
+        (), "with --run-dir: resume although this setting changed (e.g. lr, steps, batch); repeatable", repeat=True
+    )
+    overwrite: bool = setting(False, "with --run-dir: start the run over")
+    devices: int | None = setting(
+        None,
+        "device count, simulated on CPU where no GPU is present (default: the layout's count; 8 when it has a -1)",
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allow_change", tuple(self.allow_change or ()))  # argparse gives a list
@@ -143,3 +165,69 @@ class TrainConfig:
             raise ShardkitError(
                 "--reset-optimizer and --allow-schedule-change apply to a resume: add --checkpoint-dir."
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class DryRunSettings:
+    """The settings of a dry run (the flags of ``shardkit dryrun`` and ``inspect``): the training
+    run's shape, with the main job's meanings and defaults, and two knobs for compile-time
+    studies. :class:`shardkit.dryrun.DryRunConfig` adds what needs JAX."""
+
+    model: str = same_as(TrainConfig, "model")
+    layout: str = same_as(TrainConfig, "layout")
+    batch: int = same_as(TrainConfig, "batch")
+    seq: int | None = same_as(TrainConfig, "seq")
+    precision: str = same_as(TrainConfig, "precision")
+    microbatches: int = same_as(TrainConfig, "microbatches")
+    schedule: str | None = same_as(TrainConfig, "schedule")
+    virtual_stages: int = same_as(TrainConfig, "virtual_stages")
+    remat: str = same_as(TrainConfig, "remat")
+    scan_layers: bool = setting(True, "unroll the layer stack instead of scanning it", flag="--unrolled", negate=True)
+    n_layers: int | None = setting(None, "override the preset's number of layers", flag="--layers")
+    devices: int | None = same_as(TrainConfig, "devices")
+
+    def __post_init__(self) -> None:
+        for name, least in (("batch", 1), ("microbatches", 1), ("virtual_stages", 1)):
+            if getattr(self, name) < least:
+                raise InputError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(self, name)}.")
+        for name in ("seq", "n_layers", "devices"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                flag = {"n_layers": "layers"}.get(name, name)
+                raise InputError(f"--{flag} {value}: give a positive number.")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """The planner's search space (flags of ``shardkit plan``). ``tensor=None``: powers of two up
+    to the node size that divide the heads; ``sequence=None``: 1, 2, 4, 8 where they divide the
+    sequence and fit in a node with tensor; ``stage=None``: 1, 2, 4, 8 where they divide the
+    layers. Pipelines try microbatches most first (the 1F1B bubble shrinks with more and its
+    memory does not grow); others fewest first. ``compile_top``: how many layouts, the fastest by
+    the analytic estimate, are compiled (``None``: all). ``workers``: processes compiling at once
+    (``None``: one per core, or this process when it already has the devices)."""
+
+    precision: str = same_as(TrainConfig, "precision", "bf16-master")  # plans are for accelerators
+    tensor: tuple[int, ...] | None = setting(None, "tensor sizes to consider (default: powers of 2 in a node)")
+    sequence: tuple[int, ...] | None = setting(None, "sequence (ring attention) sizes to consider (default 1,2,4,8)")
+    stage: tuple[int, ...] | None = setting(None, "pipeline stage counts to consider (default 1,2,4,8)")
+    expert: tuple[int, ...] | None = setting(None, "expert sizes to consider (default: divisors of the experts)")
+    schedule: str | None = same_as(TrainConfig, "schedule")  # None: 1f1b
+    remat: tuple[str, ...] = setting(("none", "full"), "remat policies to try, cheapest first", flag="--remat-options")
+    microbatches: tuple[int, ...] = setting(
+        (1, 2, 4, 8, 16), "microbatch counts to try, fewest first", flag="--microbatch-options"
+    )
+    headroom: float = setting(0.9, "fraction of device memory a plan may use")
+    compile_top: int | None = setting(
+        6, "compile this many layouts, the fastest by the analytic estimate (0: all of them)", zero_is_none=True
+    )
+    workers: int | None = setting(None, "processes compiling at once (default: one per core)")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", self.schedule or "1f1b")
+        if self.compile_top is not None and self.compile_top < 1:
+            raise InputError(f"compile_top={self.compile_top}: compile at least 1 layout (or None for all).")
+        if self.workers is not None and self.workers < 1:
+            raise InputError(f"workers={self.workers}: give at least 1 process.")
+        if not 0 < self.headroom <= 1:
+            raise InputError(f"headroom={self.headroom}: give the fraction of device memory to use, in (0, 1].")

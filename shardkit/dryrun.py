@@ -23,7 +23,9 @@ import jax.numpy as jnp
 import optax
 from jax._src import xla_bridge
 
+from shardkit.config import DryRunSettings
 from shardkit.errors import ShardkitError, short_repr
+from shardkit.flags import to_argv
 from shardkit.mesh import Layout
 from shardkit.model import Model
 from shardkit.model_source import ModelSource, build_model, factory_ref, is_factory_ref, load_factory
@@ -33,31 +35,9 @@ from shardkit.train import Trainer
 
 
 @dataclasses.dataclass(frozen=True)
-class DryRunConfig:
-    """A training configuration to compile without running: the flags of ``shardkit dryrun``."""
-
-    model: str = "llama2-7b"  # a GPT preset, or your own factory as 'package.module:function'
-    layout: str = "fsdp=8"
-    batch: int = 8
-    seq: int | None = None  # default: the model's max_seq
-    precision: str = "fp32"
-    microbatches: int = 1
-    schedule: str | None = None  # pipeline schedule with stage > 1 (default 1f1b)
-    virtual_stages: int = 1  # interleaved pipeline stages
-    remat: str = "none"
-    scan_layers: bool = True
-    n_layers: int | None = None  # override the preset's depth (compile-time studies)
-    devices: int | None = None  # needed only when the layout has a -1
-
-    def __post_init__(self) -> None:
-        for name, least in (("batch", 1), ("microbatches", 1), ("virtual_stages", 1)):
-            if getattr(self, name) < least:
-                raise ShardkitError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(self, name)}.")
-        for name in ("seq", "n_layers", "devices"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                flag = {"n_layers": "layers"}.get(name, name)
-                raise ShardkitError(f"--{flag} {value}: give a positive number.")
+class DryRunConfig(DryRunSettings):
+    """A training configuration to compile without running: the flags of ``shardkit dryrun``
+    (:class:`shardkit.config.DryRunSettings`), and what they mean once JAX is here."""
 
     def num_devices(self) -> int:
         layout = Layout.parse(self.layout)
@@ -78,21 +58,8 @@ class DryRunConfig:
         return GPTConfig.preset(self.model, **overrides)
 
     def cli_args(self) -> list[str]:
-        args = ["--model", self.model, "--layout", self.layout, "--batch", str(self.batch)]
-        args += ["--precision", self.precision, "--microbatches", str(self.microbatches), "--remat", self.remat]
-        if self.seq is not None:
-            args += ["--seq", str(self.seq)]
-        if self.schedule is not None:
-            args += ["--schedule", self.schedule]
-        if self.virtual_stages != 1:
-            args += ["--virtual-stages", str(self.virtual_stages)]
-        if not self.scan_layers:
-            args += ["--unrolled"]
-        if self.n_layers is not None:
-            args += ["--layers", str(self.n_layers)]
-        if self.devices is not None:
-            args += ["--devices", str(self.devices)]
-        return args
+        """The ``shardkit dryrun`` flags of this configuration (for a subprocess)."""
+        return to_argv(self)
 
 
 def _factory_trainer(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> tuple[Trainer, dict[str, Any]]:

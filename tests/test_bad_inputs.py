@@ -98,8 +98,31 @@ def train_flags(*extra: str) -> Callable[[pathlib.Path], object]:
     return cli_error(*TRAIN, *extra)
 
 
+@functools.cache
+def toml_file(text: str) -> str:
+    """A config file with ``text``, outside the case's watched directory."""
+    import tempfile
+
+    path = pathlib.Path(tempfile.mkdtemp()) / "run.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def train_config(text: str, *overrides: str) -> Callable[[pathlib.Path], object]:
+    return lambda tmp: train_flags("--config", toml_file(text), *overrides)(tmp)
+
+
 CLI_CASES = [
     Case("cli-layout-misspelt-axis", train_flags("--layout", "dta=8"), r"dta.*Did you mean 'data'"),
+    Case("cli-config-missing-file", train_flags("--config", "{tmp}/none.toml"), r"none.toml: no such file"),
+    Case("cli-config-not-toml", train_config("lr = = 3"), r"is not valid TOML"),
+    Case("cli-config-unknown-key", train_config("learning_rate = 0.1"), r"'learning_rate'.*not a setting"),
+    Case("cli-config-misspelt-key", train_config("wieght_decay = 0.1"), r"Did you mean weight_decay"),
+    Case("cli-config-wrong-type", train_config('steps = "many"'), r"--steps takes a whole number"),
+    Case("cli-config-table", train_config("[model]\nname = 'tiny'"), r"tables .*\[model\].*flat"),
+    Case("cli-config-bad-choice", train_config('optimizer = "lion"'), r"'lion' is not one of adamw, sgd"),
+    Case("cli-override-without-equals", train_flags("lr"), r"'lr': write overrides as key=value"),
+    Case("cli-override-bad-number", train_flags("lr=fast"), r"lr='fast'.*--lr takes a number"),
     Case("cli-b2-one-or-more", train_flags("--b2", "1.5"), r"--b2 must be in \(0, 1\)"),
     Case("cli-clip-negative", train_flags("--clip", "-1"), r"--clip must be a finite number >= 0"),
     Case("cli-lr-schedule-unknown", train_flags("--lr-schedule", "linear"), r"invalid choice: 'linear'"),

@@ -140,3 +140,45 @@ def test_dryrun_inspect_and_plan_all_answer_in_json():
     assert result["layout"] == "fsdp=4,tensor=2" and result["report"]["devices"] == 8
     wo = next(p for p in result["parameters"] if p["path"].endswith("attn/wo"))
     assert wo["spec"] == "[-, tensor, -, fsdp]" and result["report"]["bytes_by_axes"]["fsdp"] > 0
+
+
+def test_a_config_file_and_overrides_sit_under_the_flags(tmp_path):
+    """defaults < --config FILE < key=value < --flags, for every kind of field."""
+    from shardkit.cli import parse
+    from shardkit.flags import config_from
+
+    run = tmp_path / "run.toml"
+    run.write_text(
+        'model = "tiny"\nlr = 1\nsteps = 40\nlayout = "fsdp=8"\nsequence-parallel = true\nallow_change = ["lr"]\n'
+        'run_dir = "runs/a"\n'
+    )
+    args = parse(["train", "--config", str(run), "steps=30", "seq=64", "--steps", "20", "--batch", "4"])
+    cfg = config_from(TrainConfig, args)
+    assert (cfg.model, cfg.layout, cfg.lr, cfg.sequence_parallel, cfg.allow_change) == (
+        "tiny",
+        "fsdp=8",
+        1.0,
+        True,
+        ("lr",),
+    )
+    assert (cfg.steps, cfg.seq, cfg.batch, cfg.warmup) == (20, 64, 4, TrainConfig().warmup)
+    assert isinstance(cfg.lr, float)
+
+
+def test_every_config_rebuilds_from_its_generated_flags():
+    """The argv generated from a config parses back to the same config (the subprocess path)."""
+    from shardkit.cli import build_parser
+    from shardkit.config import DryRunSettings, PlanOptions
+    from shardkit.flags import add_flags, config_from, to_argv
+
+    train = TrainConfig(model="tiny", lr=0.01, allow_change=("lr", "steps"), run_dir="r", sequence_parallel=True)
+    assert config_from(TrainConfig, build_parser().parse_args(["train", *to_argv(train)])) == train
+    dry = DryRunSettings(model="tiny", layout="fsdp=8", scan_layers=False, n_layers=2, seq=64)
+    assert config_from(DryRunSettings, build_parser().parse_args(["dryrun", *to_argv(dry)])) == dry
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, PlanOptions)
+    options = PlanOptions(tensor=(1, 2), remat=("full",), microbatches=(4,), compile_top=None, headroom=0.5)
+    assert config_from(PlanOptions, parser.parse_args(to_argv(options))) == options
+    assert config_from(PlanOptions, parser.parse_args([])) == PlanOptions()

@@ -53,7 +53,9 @@ def commands(block: str) -> list[str]:
 
 def smaller(command: str) -> str:
     """The reductions the README states: 3 training steps, 1 compiled layout in the planner."""
-    if TRAINING.search(command):
+    if "scripts/train.py" in command:  # the library example takes key=value settings
+        command = re.sub(r"\ssteps=\d+", "", command) + " steps=3"
+    elif TRAINING.search(command):
         command = re.sub(r"\s--steps\s+\d+", "", command) + " --steps 3"
     if command.startswith("shardkit plan"):
         command += " --compile-top 1"

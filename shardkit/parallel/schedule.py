@@ -43,9 +43,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from shardkit.config import SCHEDULES
 from shardkit.errors import ShardkitError
 
-SCHEDULES = ("gpipe", "1f1b")
 IDLE = -1
 
 

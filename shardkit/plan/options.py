@@ -6,36 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shardkit.errors import ShardkitError
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanOptions:
-    """The search space. ``tensor=None``: powers of two up to the node size that divide the heads;
-    ``sequence=None``: 1, 2, 4, 8 where they divide the sequence and fit in a node with tensor;
-    ``stage=None``: 1, 2, 4, 8 where they divide the layers. Pipelines try microbatches most
-    first (the 1F1B bubble shrinks with more and its memory does not grow); others fewest first.
-    ``compile_top``: how many layouts, the fastest by the analytic estimate, are compiled (``None``:
-    all). ``workers``: processes compiling at once (``None``: one per core, or this process when
-    it already has the devices)."""
-
-    precision: str = "bf16-master"
-    tensor: tuple[int, ...] | None = None
-    sequence: tuple[int, ...] | None = None
-    stage: tuple[int, ...] | None = None
-    expert: tuple[int, ...] | None = None  # None: sizes that divide a mixture's experts
-    schedule: str = "1f1b"
-    remat: tuple[str, ...] = ("none", "full")
-    microbatches: tuple[int, ...] = (1, 2, 4, 8, 16)
-    headroom: float = 0.9  # fraction of device memory a plan may use
-    compile_top: int | None = 6
-    workers: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.compile_top is not None and self.compile_top < 1:
-            raise ShardkitError(f"compile_top={self.compile_top}: compile at least 1 layout (or None for all).")
-        if self.workers is not None and self.workers < 1:
-            raise ShardkitError(f"workers={self.workers}: give at least 1 process.")
+from shardkit.config import PlanOptions  # noqa: F401  (declared with the other configs; its home here)
 
 
 @dataclasses.dataclass

@@ -6,7 +6,8 @@ import json
 import sys
 from typing import Any
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import InputError
+from shardkit.flags import config_from
 from shardkit.plan.options import PlanInterrupted, PlanOptions, size_text
 from shardkit.plan.planner import plan
 
@@ -61,23 +62,12 @@ def parse_ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ShardkitError(f"Expected comma-separated integers, got {text!r}.") from None
+        raise InputError(f"Expected comma-separated integers, got {text!r}.") from None
 
 
 def options_from(args: Any) -> PlanOptions:
-    """PlanOptions from the ``shardkit plan`` flags."""
-    return PlanOptions(
-        precision=args.precision,
-        remat=tuple(r for r in args.remat_options.split(",") if r),
-        microbatches=parse_ints(args.microbatch_options),
-        tensor=parse_ints(args.tensor) if args.tensor else None,
-        sequence=parse_ints(args.sequence) if args.sequence else None,
-        stage=parse_ints(args.stage) if args.stage else None,
-        expert=parse_ints(args.expert) if args.expert else None,
-        schedule=args.schedule or "1f1b",
-        compile_top=args.compile_top or None,
-        workers=args.workers,
-    )
+    """PlanOptions from the ``shardkit plan`` flags (generated from its fields)."""
+    return config_from(PlanOptions, args)
 
 
 def run_cli(args: Any) -> None:
