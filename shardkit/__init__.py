@@ -15,6 +15,7 @@ from shardkit._lazy import install
 _SUBMODULES = (
     "checkpoint",
     "distributed",
+    "errors",
     "hardware",
     "hlo",
     "models",
@@ -90,6 +91,7 @@ __all__ = [
     "default_rules",
     "distributed",
     "dryrun",
+    "errors",
     "format_plans",
     "from_functions",
     "from_linen",

@@ -43,7 +43,7 @@ import orbax.checkpoint as ocp
 
 from shardkit.checksums import array_checksums, file_digests
 from shardkit.dirlock import DirectoryLock
-from shardkit.errors import ShardkitError
+from shardkit.errors import CheckpointError
 from shardkit.partition import path_str
 from shardkit.train import Trainer, TrainState
 
@@ -91,7 +91,7 @@ def _quiet_closed_loops(hook: Callable[[Any], None]) -> Callable[[Any], None]:
     return quiet
 
 
-class CheckpointDamaged(ShardkitError):
+class CheckpointDamaged(CheckpointError):
     """A checkpoint's files or arrays do not match what was written (``.step``, ``.reason``)."""
 
     def __init__(self, message: str, step: int, reason: str):
@@ -119,7 +119,8 @@ def state_fingerprint(trainer: Trainer) -> dict[str, list[Any]]:
 def _root_cause(error: BaseException) -> str:
     """What the user can act on: the innermost OS error of a chain, or the OS error code that
     tensorstore reports inside its message (``[os_error_code='28']``), else the error itself."""
-    seen, e, chain = set(), error, []
+    seen, chain = set(), []
+    e: BaseException | None = error
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         chain.append(e)
@@ -156,12 +157,14 @@ class Checkpointer:
 
     def __init__(self, directory: str | pathlib.Path, *, every: int = 0, keep: int = 3, async_save: bool = True):
         if not isinstance(every, int) or every < 0:
-            raise ShardkitError(f"Checkpointer(every={every!r}): give a step interval >= 0 (0: save only when forced).")
+            raise CheckpointError(
+                f"Checkpointer(every={every!r}): give a step interval >= 0 (0: save only when forced)."
+            )
         if not isinstance(keep, int) or keep < 1:
-            raise ShardkitError(f"Checkpointer(keep={keep!r}): keep at least 1 checkpoint.")
+            raise CheckpointError(f"Checkpointer(keep={keep!r}): keep at least 1 checkpoint.")
         self.directory = pathlib.Path(directory).absolute()
         if self.directory.exists() and not self.directory.is_dir():
-            raise ShardkitError(f"Checkpoint directory {self.directory} is a file; give a directory path.")
+            raise CheckpointError(f"Checkpoint directory {self.directory} is a file; give a directory path.")
         self.every = every
         self._options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
         self._opened: ocp.CheckpointManager | None = None
@@ -176,7 +179,7 @@ class Checkpointer:
         # path must fail, not create an empty directory.
         if self._opened is None:
             if not self.directory.is_dir():
-                raise ShardkitError(f"Checkpoint directory {self.directory} does not exist; check the path.")
+                raise CheckpointError(f"Checkpoint directory {self.directory} does not exist; check the path.")
             self._opened = ocp.CheckpointManager(self.directory, options=self._options)
         return self._opened
 
@@ -199,7 +202,7 @@ class Checkpointer:
             probe.write_bytes(b"shardkit")
             probe.unlink()
         except OSError as e:
-            raise ShardkitError(
+            raise CheckpointError(
                 f"Checkpoint directory {self.directory} is not writable ({_root_cause(e)}). "
                 "Fix: choose a writable --checkpoint-dir, or fix its permissions or mount."
             ) from e
@@ -208,7 +211,7 @@ class Checkpointer:
         )
         free = shutil.disk_usage(self.directory).free
         if free < need:
-            raise ShardkitError(
+            raise CheckpointError(
                 f"Checkpoint directory {self.directory} has {free / 2**20:,.1f} MiB free; a checkpoint of this "
                 f"state needs about {need / 2**20:,.1f} MiB. Fix: free space, or choose another --checkpoint-dir."
             )
@@ -307,7 +310,7 @@ class Checkpointer:
                 shutil.rmtree(leftover, ignore_errors=True)
             quiet = 0 if leftovers else quiet + 1
             time.sleep(0.05)
-        raise ShardkitError(
+        raise CheckpointError(
             f"Saving checkpoint step {step} in {self.directory} failed ({_root_cause(error)}). The partial "
             f"save was removed; earlier checkpoints are intact (steps {self.steps()}). Fix: free space or "
             "make the directory writable, or choose another --checkpoint-dir; then resume."
@@ -382,13 +385,13 @@ class Checkpointer:
         """
         self.warnings = []
         if not self.directory.is_dir():
-            raise ShardkitError(f"Checkpoint directory {self.directory} does not exist; check the path.")
+            raise CheckpointError(f"Checkpoint directory {self.directory} does not exist; check the path.")
         if step is not None:
             self._check_step(step)
             return self._restore_step(trainer, step, run, reset_optimizer, allow_schedule_change, allow)
         steps = self.steps()
         if not steps:
-            raise ShardkitError(
+            raise CheckpointError(
                 f"No complete checkpoint in {self.directory}. Train with checkpoints first, or point to the "
                 "directory that holds them."
             )
@@ -406,7 +409,7 @@ class Checkpointer:
                 ]
                 warnings.warn(self.warnings[0], stacklevel=2)
             return restored
-        raise ShardkitError(
+        raise CheckpointError(
             f"No checkpoint in {self.directory} verifies: {'; '.join(skipped)}. The run cannot resume from "
             "these files; start from a fresh --checkpoint-dir (keep these for inspection)."
         )
@@ -498,14 +501,14 @@ class Checkpointer:
         self._manager  # noqa: B018 -- raises for a missing directory
         steps = self.steps()
         if step not in steps:
-            raise ShardkitError(
+            raise CheckpointError(
                 f"No complete checkpoint for step {step} in {self.directory}; available steps: {steps or 'none'}."
             )
 
     def _check_compatible(self, trainer: Trainer, record: dict[str, Any], step: int, reset_optimizer: bool) -> None:
         saved, ours = record.get("params", {}), fingerprint(trainer)
         if saved != ours:
-            raise ShardkitError(
+            raise CheckpointError(
                 f"Checkpoint step {step} in {self.directory} was written by another model "
                 f"({record.get('model')}, precision {record.get('precision')}) than {trainer.model.name} "
                 f"(precision {trainer.precision.name}): " + _tree_differences(saved, ours, "parameters") + ". "
@@ -515,7 +518,7 @@ class Checkpointer:
         our_state = {k: v for k, v in state_fingerprint(trainer).items() if k.startswith("opt_state")}
         if saved_state and saved_state != our_state and not reset_optimizer:
             optimizer = record.get("run", {}).get("schedule", {}).get("optimizer")
-            raise ShardkitError(
+            raise CheckpointError(
                 f"Checkpoint step {step} in {self.directory} holds the state of another optimizer"
                 + (f" ({optimizer})" if optimizer else "")
                 + ": "
@@ -558,7 +561,7 @@ class Checkpointer:
                     f"resume with the same settings ({same}), or pass --allow-schedule-change (API: "
                     "allow_schedule_change=True) to continue the saved state under the new schedule"
                 )
-            raise ShardkitError(
+            raise CheckpointError(
                 f"Checkpoint step {step} in {self.directory} was saved by a run with {diffs}. Fix: {fix}."
             )
 

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from shardkit import __version__
 from shardkit.config import DryRunSettings, PlanOptions, TrainConfig
+from shardkit.errors import InputError, ShardkitError
 from shardkit.flags import add_flags, config_from, file_values
 
 DEFAULT_SIMULATED_DEVICES = 8
@@ -43,9 +44,11 @@ OTHER_NAMES = {
 class SuggestingParser(argparse.ArgumentParser):
     """argparse, plus "did you mean" for a misspelt flag or subcommand."""
 
-    def parse_args(self, args: Sequence[str] | None = None, namespace: object = None) -> argparse.Namespace:
+    def parse_args(  # type: ignore[override]  # argparse's overloads; this one takes no namespace
+        self, args: Sequence[str] | None = None
+    ) -> argparse.Namespace:
         self._argv = list(sys.argv[1:] if args is None else args)
-        return super().parse_args(args, namespace)  # type: ignore[arg-type]
+        return super().parse_args(args)
 
     def _all_options(self) -> set[str]:
         """The flags of the subcommand on the command line (of every subcommand if none)."""
@@ -81,10 +84,8 @@ class SuggestingParser(argparse.ArgumentParser):
 
 
 def _check_device_count(n: int) -> None:
-    from shardkit.errors import ShardkitError
-
     if n < 1:
-        raise ShardkitError(f"--devices {n}: simulate at least 1 device (default {DEFAULT_SIMULATED_DEVICES}).")
+        raise InputError(f"--devices {n}: simulate at least 1 device (default {DEFAULT_SIMULATED_DEVICES}).")
 
 
 def _devices_for(layout: str, devices: int | None) -> int:
@@ -137,7 +138,7 @@ EXAMPLES = {
 }
 
 
-HARDWARE_FLAG = dict(
+HARDWARE_FLAG: dict[str, Any] = dict(
     default="h100",
     help="the device to plan for: h100, h200, a100, tpu-v5p, tpu-v5e, or a JSON profile (dryrun says whether the "
     "step fits one; plan ranks layouts on it)",
@@ -255,8 +256,6 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from shardkit.errors import ShardkitError
-
     try:
         args = parse(argv)
         if args.command == "launch":

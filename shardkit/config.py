@@ -8,7 +8,7 @@ import difflib
 import math
 import pathlib
 
-from shardkit.errors import InputError, ShardkitError
+from shardkit.errors import InputError
 from shardkit.flags import same_as, setting
 
 OPTIMIZER_NAMES = ("adamw", "sgd")
@@ -105,66 +105,64 @@ class TrainConfig:
         object.__setattr__(self, "allow_change", tuple(self.allow_change or ()))  # argparse gives a list
         for name in ("steps", "batch", "seq"):
             if getattr(self, name) < 1:
-                raise ShardkitError(f"--{name} must be at least 1, got {getattr(self, name)}.")
+                raise InputError(f"--{name} must be at least 1, got {getattr(self, name)}.")
         if not math.isfinite(self.lr) or self.lr <= 0:
-            raise ShardkitError(f"--lr must be a finite positive number, got {self.lr}.")
+            raise InputError(f"--lr must be a finite positive number, got {self.lr}.")
         if self.seed < 0:
-            raise ShardkitError(f"--seed must be >= 0, got {self.seed}.")
+            raise InputError(f"--seed must be >= 0, got {self.seed}.")
         if self.max_skips < 0:
-            raise ShardkitError(f"--max-skips must be >= 0 (0: never stop on skipped steps), got {self.max_skips}.")
+            raise InputError(f"--max-skips must be >= 0 (0: never stop on skipped steps), got {self.max_skips}.")
         if self.optimizer not in OPTIMIZER_NAMES:
-            raise ShardkitError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZER_NAMES)}.")
+            raise InputError(f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZER_NAMES)}.")
         if self.precision not in PRECISION_NAMES:
-            raise ShardkitError(f"--precision {self.precision!r} is not one of {', '.join(PRECISION_NAMES)}.")
+            raise InputError(f"--precision {self.precision!r} is not one of {', '.join(PRECISION_NAMES)}.")
         if self.nonfinite not in NONFINITE_NAMES:
-            raise ShardkitError(f"--nonfinite {self.nonfinite!r} is not one of {', '.join(NONFINITE_NAMES)}.")
+            raise InputError(f"--nonfinite {self.nonfinite!r} is not one of {', '.join(NONFINITE_NAMES)}.")
         if not 0.0 <= self.dropout < 1.0:
-            raise ShardkitError(f"--dropout must be in [0, 1), got {self.dropout}.")
+            raise InputError(f"--dropout must be in [0, 1), got {self.dropout}.")
         if self.warmup < 0:
-            raise ShardkitError(f"--warmup must be >= 0 steps, got {self.warmup}.")
+            raise InputError(f"--warmup must be >= 0 steps, got {self.warmup}.")
         if not math.isfinite(self.weight_decay) or self.weight_decay < 0:
-            raise ShardkitError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}.")
+            raise InputError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}.")
         if self.lr_schedule not in LR_SCHEDULES:
-            raise ShardkitError(f"--lr-schedule {self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}.")
+            raise InputError(f"--lr-schedule {self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}.")
         if not math.isfinite(self.clip) or self.clip < 0:
-            raise ShardkitError(f"--clip must be a finite number >= 0 (0: no clipping), got {self.clip}.")
+            raise InputError(f"--clip must be a finite number >= 0 (0: no clipping), got {self.clip}.")
         if not 0.0 < self.b2 < 1.0:
-            raise ShardkitError(f"--b2 must be in (0, 1), e.g. 0.95 or 0.999, got {self.b2}.")
+            raise InputError(f"--b2 must be in (0, 1), e.g. 0.95 or 0.999, got {self.b2}.")
         for name, least in (("microbatches", 1), ("virtual_stages", 1), ("keep_checkpoints", 1)):
             if getattr(self, name) < least:
                 flag = "--" + name.replace("_", "-")
-                raise ShardkitError(f"{flag} must be at least {least}, got {getattr(self, name)}.")
+                raise InputError(f"{flag} must be at least {least}, got {getattr(self, name)}.")
         for name in ("checkpoint_every", "sample_tokens"):
             if getattr(self, name) < 0:
                 flag = "--" + name.replace("_", "-")
-                raise ShardkitError(f"{flag} must be >= 0, got {getattr(self, name)}.")
+                raise InputError(f"{flag} must be >= 0, got {getattr(self, name)}.")
         if self.json_log is not None:
             log = pathlib.Path(self.json_log)
             if log.is_dir():
-                raise ShardkitError(f"--json-log {self.json_log} is a directory; give a file path inside it.")
+                raise InputError(f"--json-log {self.json_log} is a directory; give a file path inside it.")
             if not log.absolute().parent.is_dir():
-                raise ShardkitError(
+                raise InputError(
                     f"--json-log {self.json_log}: directory {log.absolute().parent} does not exist. Fix: create it "
                     "first, or log elsewhere."
                 )
         for key in self.allow_change:
             if key.replace("-", "_") not in RESUMABLE_SETTINGS:
                 close = difflib.get_close_matches(key.replace("-", "_"), sorted(RESUMABLE_SETTINGS), n=1)
-                raise ShardkitError(
+                raise InputError(
                     f"--allow-change {key}: not a setting a resume compares"
                     + (f"; did you mean {close[0].replace('_', '-')}?" if close else "")
                     + f" Settings: {', '.join(sorted(k.replace('_', '-') for k in RESUMABLE_SETTINGS))}."
                 )
         if (self.allow_change or self.overwrite) and not (self.run_dir or self.checkpoint_dir):
-            raise ShardkitError("--allow-change and --overwrite apply to a --run-dir.")
+            raise InputError("--allow-change and --overwrite apply to a --run-dir.")
         if self.run_dir and (self.checkpoint_dir or self.json_log):
-            raise ShardkitError(
+            raise InputError(
                 "--run-dir holds the run's checkpoints and log itself; drop --checkpoint-dir and --json-log."
             )
         if (self.reset_optimizer or self.allow_schedule_change) and not (self.checkpoint_dir or self.run_dir):
-            raise ShardkitError(
-                "--reset-optimizer and --allow-schedule-change apply to a resume: add --checkpoint-dir."
-            )
+            raise InputError("--reset-optimizer and --allow-schedule-change apply to a resume: add --checkpoint-dir.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import sysconfig
 
 import numpy as np
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import InputError
 
 _STDLIB_FILES = (
     "this.py",
@@ -62,10 +62,10 @@ def load_text(path: str | pathlib.Path) -> bytes:
     if p.is_dir():
         files = sorted(p.rglob("*.txt"))
         if not files:
-            raise ShardkitError(f"--data {p}: the directory has no *.txt files. Point --data at a text file.")
+            raise InputError(f"--data {p}: the directory has no *.txt files. Point --data at a text file.")
         return b"\n\n".join(f.read_bytes() for f in files)
     if not p.is_file():
-        raise ShardkitError(f"--data {p}: no such file. Give the path of a text file (or a directory of *.txt).")
+        raise InputError(f"--data {p}: no such file. Give the path of a text file (or a directory of *.txt).")
     return p.read_bytes()
 
 
@@ -91,11 +91,11 @@ class TextDataset:
     def from_bytes(cls, text: bytes, seed: int = 0) -> TextDataset:
         """Byte tokens of ``text`` (UTF-8 bytes; encode a ``str`` first)."""
         if not isinstance(text, (bytes, bytearray, memoryview)):
-            raise ShardkitError(
+            raise InputError(
                 f"TextDataset.from_bytes takes bytes, got {type(text).__name__}. Fix: pass text.encode('utf-8')."
             )
         if not len(text):
-            raise ShardkitError("TextDataset.from_bytes got empty text; give it some text to train on.")
+            raise InputError("TextDataset.from_bytes got empty text; give it some text to train on.")
         return cls(np.frombuffer(text, dtype=np.uint8).copy(), seed)
 
     @classmethod
@@ -128,14 +128,14 @@ class TextDataset:
         """
         for name, value, least in (("step", step, 0), ("batch_size", batch_size, 1), ("seq_len", seq_len, 1)):
             if not isinstance(value, (int, np.integer)) or value < least:
-                raise ShardkitError(f"TextDataset.batch: {name}={value!r}; give an integer >= {least}.")
+                raise InputError(f"TextDataset.batch: {name}={value!r}; give an integer >= {least}.")
         if len(self.tokens) <= seq_len + 1:
-            raise ShardkitError(
+            raise InputError(
                 f"The text has {len(self.tokens)} tokens, too few for windows of seq_len+1={seq_len + 1}. "
                 "Use more text or a shorter --seq."
             )
         if batch_size % process_count:
-            raise ShardkitError(
+            raise InputError(
                 f"Global batch {batch_size} does not divide over {process_count} processes; "
                 f"use a multiple of {process_count}."
             )
@@ -143,8 +143,8 @@ class TextDataset:
         starts = rng.integers(0, len(self.tokens) - seq_len - 1, size=batch_size)
         per = batch_size // process_count
         mine = starts[rows] if rows is not None else starts[process_index * per : (process_index + 1) * per]
-        rows = np.stack([self.tokens[s : s + seq_len + 1] for s in mine]).astype(np.int32)
-        return {"tokens": rows}
+        windows = np.stack([self.tokens[s : s + seq_len + 1] for s in mine]).astype(np.int32)
+        return {"tokens": windows}
 
     def decode(self, tokens: np.ndarray) -> str:
         return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")

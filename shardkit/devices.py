@@ -12,7 +12,7 @@ import os
 import jax
 from jax._src import xla_bridge  # backends_are_initialized has no public alias in jax 0.10
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import LayoutError
 
 TOO_LATE = """\
 simulate_devices({n}) was called after JAX had started with {have} {platform} device(s).
@@ -59,12 +59,12 @@ def simulate_devices(n: int, *, if_no_accelerator: bool = False) -> list[jax.Dev
       8
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ShardkitError(f"simulate_devices(n) needs a positive integer, got {n!r}.")
+        raise LayoutError(f"simulate_devices(n) needs a positive integer, got {n!r}.")
     if xla_bridge.backends_are_initialized():
         devices = jax.devices()
         if (devices[0].platform == "cpu" and len(devices) == n) or (if_no_accelerator and devices[0].platform != "cpu"):
             return devices
-        raise ShardkitError(TOO_LATE.format(n=n, have=len(devices), platform=devices[0].platform))
+        raise LayoutError(TOO_LATE.format(n=n, have=len(devices), platform=devices[0].platform))
     if if_no_accelerator:
         ask_for_cpu_devices(n)
         return jax.devices()

@@ -16,7 +16,7 @@ import socket
 import time
 import warnings
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import CheckpointError
 
 LOCK_NAME = ".shardkit.lock"
 
@@ -78,7 +78,7 @@ class DirectoryLock:
                     with contextlib.suppress(FileNotFoundError):
                         self.path.unlink()
                     continue
-                raise ShardkitError(
+                raise CheckpointError(
                     f"Checkpoint directory {self.path.parent} is in use by PID {pid} on host {host} "
                     f"(since {owner.get('since', '?')}): two runs in one directory overwrite each other's "
                     f"checkpoints. Fix: stop that run, or use another --checkpoint-dir; if that process is gone "
@@ -89,7 +89,7 @@ class DirectoryLock:
             self.held = True
             atexit.register(self.release)  # a run that ends in an error still lets the next one in
             return
-        raise ShardkitError(f"Could not take the lock {self.path}; another process keeps recreating it.")
+        raise CheckpointError(f"Could not take the lock {self.path}; another process keeps recreating it.")
 
     def release(self) -> None:
         atexit.unregister(self.release)

@@ -28,7 +28,7 @@ import jax
 from jax._src import distributed as jax_distributed
 from jax._src import xla_bridge
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ClusterError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise ShardkitError(f"Environment variable {name}={value!r} must be an integer.") from None
+        raise ClusterError(f"Environment variable {name}={value!r} must be an integer.") from None
 
 
 def detect(env: Mapping[str, str] | None = None) -> ClusterSpec | None:
@@ -65,10 +65,12 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterSpec | None:
                 process_id=_int(env, f"{prefix}_PROCESS_ID"),
                 local_devices=_int(env, "SHARDKIT_LOCAL_DEVICES"),
             )
-    if _int(env, "SLURM_NTASKS") and env.get("SLURM_STEP_NODELIST") and _int(env, "SLURM_NTASKS") > 1:
-        return ClusterSpec("SLURM", None, _int(env, "SLURM_NTASKS"), _int(env, "SLURM_PROCID"))
-    if _int(env, "OMPI_COMM_WORLD_SIZE") and _int(env, "OMPI_COMM_WORLD_SIZE") > 1:
-        return ClusterSpec("Open MPI", None, _int(env, "OMPI_COMM_WORLD_SIZE"), _int(env, "OMPI_COMM_WORLD_RANK"))
+    tasks = _int(env, "SLURM_NTASKS")
+    if tasks is not None and env.get("SLURM_STEP_NODELIST") and tasks > 1:
+        return ClusterSpec("SLURM", None, tasks, _int(env, "SLURM_PROCID"))
+    world = _int(env, "OMPI_COMM_WORLD_SIZE")
+    if world is not None and world > 1:
+        return ClusterSpec("Open MPI", None, world, _int(env, "OMPI_COMM_WORLD_RANK"))
     return None
 
 
@@ -115,18 +117,18 @@ def initialize(
     if spec is None or spec.num_processes == 1:
         return None
     if spec.num_processes is not None and spec.process_id is not None and not 0 <= spec.process_id < spec.num_processes:
-        raise ShardkitError(f"Process id {spec.process_id} is outside 0..{spec.num_processes - 1}.")
+        raise ClusterError(f"Process id {spec.process_id} is outside 0..{spec.num_processes - 1}.")
     if jax_distributed.global_state.client is not None:  # already joined: the second call is harmless
         if jax.process_count() != spec.num_processes or (
             spec.process_id is not None and jax.process_index() != spec.process_id
         ):
-            raise ShardkitError(
+            raise ClusterError(
                 f"jax.distributed is already initialised as process {jax.process_index()} of "
                 f"{jax.process_count()}, not {spec.process_id} of {spec.num_processes}. Call initialize once."
             )
         return spec
     if xla_bridge.backends_are_initialized():
-        raise ShardkitError(
+        raise ClusterError(
             "shardkit.distributed.initialize() must run before JAX starts its backend (before any array or "
             "jax.devices()). Call it first thing in the script."
         )
@@ -150,7 +152,7 @@ def initialize(
             heartbeat_timeout_seconds=heartbeat_timeout_s,
         )
     except Exception as e:  # JAX raises several types for the same failure
-        raise ShardkitError(
+        raise ClusterError(
             UNREACHABLE.format(
                 pid=spec.process_id,
                 n=spec.num_processes,
@@ -162,7 +164,7 @@ def initialize(
     if spec.num_processes is not None and jax.process_count() != spec.num_processes:
         # The coordinator (process 0) decides the job's size; a process told another count
         # would split batches and checkpoints wrongly.
-        raise ShardkitError(
+        raise ClusterError(
             f"This process was started as process {spec.process_id} of {spec.num_processes} ({spec.source}), but "
             f"the coordinator at {spec.coordinator} runs a job of {jax.process_count()} processes. Fix: start every "
             "process with the same process count."
@@ -174,12 +176,12 @@ def _check_port_free(address: str) -> None:
     """Process 0 hosts the coordinator: a port already taken would fail deep inside JAX."""
     _, _, port = address.rpartition(":")
     if not port.isdigit():
-        raise ShardkitError(f"Coordinator address {address!r} must be host:port, e.g. 10.0.0.1:12355.")
+        raise ClusterError(f"Coordinator address {address!r} must be host:port, e.g. 10.0.0.1:12355.")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind(("", int(port)))
         except OSError as e:
-            raise ShardkitError(
+            raise ClusterError(
                 f"Coordinator port {port} is already in use on this host ({e.strerror}): process 0 hosts the "
                 f"coordinator there. Fix: choose a free port (shardkit launch --port, or SHARDKIT_COORDINATOR="
                 f"host:PORT), or stop the job that holds it."
@@ -189,7 +191,7 @@ def _check_port_free(address: str) -> None:
 def _wait_for_coordinator(spec: ClusterSpec, timeout_s: float) -> None:
     host, _, port = (spec.coordinator or "").rpartition(":")
     if not host or not port.isdigit():
-        raise ShardkitError(f"Coordinator address {spec.coordinator!r} must be host:port, e.g. 10.0.0.1:12355.")
+        raise ClusterError(f"Coordinator address {spec.coordinator!r} must be host:port, e.g. 10.0.0.1:12355.")
     deadline = time.monotonic() + timeout_s
     last: OSError | None = None
     while time.monotonic() < deadline:
@@ -199,7 +201,7 @@ def _wait_for_coordinator(spec: ClusterSpec, timeout_s: float) -> None:
         except OSError as e:
             last = e
             time.sleep(0.2)
-    raise ShardkitError(
+    raise ClusterError(
         UNREACHABLE.format(
             pid=spec.process_id, n=spec.num_processes, address=spec.coordinator, timeout=timeout_s, error=last
         )

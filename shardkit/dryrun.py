@@ -24,7 +24,7 @@ import optax
 from jax._src import xla_bridge
 
 from shardkit.config import DryRunSettings
-from shardkit.errors import ShardkitError, short_repr
+from shardkit.errors import ClusterError, InputError, LayoutError, ModelError, short_repr
 from shardkit.flags import to_argv
 from shardkit.mesh import Layout
 from shardkit.model import Model
@@ -43,7 +43,7 @@ class DryRunConfig(DryRunSettings):
         layout = Layout.parse(self.layout)
         if any(size == -1 for _, size in layout.sizes):
             if self.devices is None:
-                raise ShardkitError(
+                raise LayoutError(
                     f"Layout {self.layout} has a -1 axis: give the device count (--devices N) for a dry run."
                 )
             return layout.resolve(self.devices).num_devices
@@ -67,14 +67,14 @@ def _factory_trainer(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> 
     label = cfg.model
     factory = factory or load_factory(label)  # a misnamed factory is the first thing to fix
     if cfg.seq is None:
-        raise ShardkitError(f"Model {label} is your own: give the sequence length (--seq N, or seq=N) for a dry run.")
+        raise InputError(f"Model {label} is your own: give the sequence length (--seq N, or seq=N) for a dry run.")
     changed = [
         f
         for f in ("remat", "scan_layers", "n_layers")
         if getattr(cfg, f) != DryRunConfig.__dataclass_fields__[f].default
     ]
     if changed:
-        raise ShardkitError(
+        raise ModelError(
             f"{', '.join(changed)} change shardkit's GPT presets only; model {label} is built by its factory. "
             "Fix: drop them, and set remat or the depth in your factory."
         )
@@ -109,7 +109,7 @@ def trainer_for(
     gpt = cfg.gpt_config()
     seq = cfg.seq or gpt.max_seq
     if seq > gpt.max_seq:
-        raise ShardkitError(f"--seq {seq} exceeds the {cfg.model} model's max_seq={gpt.max_seq}.")
+        raise InputError(f"--seq {seq} exceeds the {cfg.model} model's max_seq={gpt.max_seq}.")
     return _trainer_and_batch(gpt.model(name=f"GPT-{cfg.model}"), cfg, seq)
 
 
@@ -158,13 +158,13 @@ def dryrun(
         model = (lambda m: lambda: m)(model)
     factory = model if callable(model) else None
     if model is not None and factory is None and not isinstance(model, str):
-        raise ShardkitError(
+        raise ModelError(
             f"dryrun(model={short_repr(model)}): give a GPT preset name, a 'package.module:function' factory name, a "
             "function returning a shardkit Model, or a Model."
         )
     if cfg is None:
         name = getattr(factory, "__name__", "model") if factory is not None else model
-        cfg = DryRunConfig(**({"model": name} if name is not None else {}), **kwargs)
+        cfg = DryRunConfig(**kwargs) if name is None else DryRunConfig(model=str(name), **kwargs)
     n = cfg.num_devices()
     if can_run_here(n):
         if not xla_bridge.backends_are_initialized():
@@ -183,7 +183,7 @@ def _in_subprocess(cfg: DryRunConfig) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "shardkit.cli", "dryrun", *cfg.cli_args(), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        raise ShardkitError(f"Dry run in a subprocess failed ({' '.join(cmd[2:])}):\n{proc.stderr.strip()[-3000:]}")
+        raise ClusterError(f"Dry run in a subprocess failed ({' '.join(cmd[2:])}):\n{proc.stderr.strip()[-3000:]}")
     return json.loads(proc.stdout)
 
 

@@ -1,7 +1,7 @@
 """The exceptions shardkit raises for bad input: one base, :class:`ShardkitError`, and a small
 family under it, one per part of the library a fix lives in. Every message shows the values and
 names the fix; ``docs/errors.md`` is generated from these docstrings and the raise sites
-(``python -m shardkit.error_catalogue > docs/errors.md``).
+(``python -m shardkit.error_sites > docs/errors.md``).
 
 Catch ``sk.ShardkitError`` for all of them (it is a ``ValueError``, so code written for plain
 ``ValueError`` keeps working), or one subclass for one kind.
@@ -21,7 +21,8 @@ class InputError(ShardkitError):
 class LayoutError(ShardkitError):
     """A layout that cannot be laid over the devices: a malformed ``axis=size`` string, sizes
     whose product is not the device count, a batch or dimension that does not divide its mesh
-    axes, mixed mesh axis types. Fix: other sizes, another layout, or more simulated devices."""
+    axes (parameters, activations and batches alike), mixed mesh axis types. Fix: other sizes,
+    another layout, ``allow_replicate=True``, or more simulated devices."""
 
 
 class RuleError(ShardkitError):
@@ -31,9 +32,9 @@ class RuleError(ShardkitError):
 
 
 class AnnotationError(ShardkitError):
-    """A model's own sharding names that do not fit its arrays: the wrong number of names for a
-    shape, an activation constraint that does not divide. Fix: ``sk.annotate`` or the model's
-    metadata."""
+    """Sharding names or a ``PartitionSpec`` that do not fit the array they annotate: the wrong
+    number of names or entries for its shape. Fix: one name (or None) per dimension, in
+    ``sk.annotate``, the model's metadata or the ``sk.constrain`` call."""
 
 
 class ModelError(ShardkitError):

@@ -211,7 +211,7 @@ def analytic(
         activations *= ACTIVATION_OVERHEAD
 
     # Compute: model FLOPs split over every device, recomputation, the pipeline's idle slots.
-    matmul = sizes.matmul_params or sizes.params
+    matmul = float(sizes.matmul_params or sizes.params)
     if sizes.experts and sizes.top_k:
         matmul -= sizes.expert_params * (1 - sizes.top_k / sizes.experts)
     flops = batch * seq * (6 * matmul + 12 * sizes.layers * sizes.dim * seq) / n

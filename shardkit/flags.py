@@ -57,7 +57,7 @@ def setting(
       repeat: for ``tuple[str, ...]``, one value per repeated flag instead of a comma list.
       zero_is_none: for ``int | None``, 0 on the command line means None ("all").
     """
-    meta = {"help": help, "choices": tuple(choices) if choices else None, "flag": flag}
+    meta: dict[str, object] = {"help": help, "choices": tuple(choices) if choices else None, "flag": flag}
     meta |= {"negate": negate, "repeat": repeat, "zero_is_none": zero_is_none}
     return dataclasses.field(default=default, metadata=meta)
 
@@ -136,13 +136,13 @@ def add_flags(
         if base is bool:
             kwargs["action"] = "store_false" if meta["negate"] else "store_true"
         elif meta["repeat"]:
-            kwargs |= {"action": "append", "metavar": "KEY", "default": list(field.default)}
+            kwargs |= {"action": "append", "metavar": "KEY", "default": list(field.default)}  # type: ignore[arg-type]
         else:
             kwargs["type"] = _converter(field, hints[field.name])
             if meta["choices"]:
                 kwargs["choices"] = meta["choices"]
             if typing.get_origin(base) is tuple and field.default is not None:
-                kwargs["default"] = ",".join(str(v) for v in field.default)  # shown so in --help
+                kwargs["default"] = ",".join(str(v) for v in field.default)  # type: ignore[union-attr]  # shown in --help
         parser.add_argument(flag_of(field), **{**kwargs, **overrides.get(field.name, {})})
 
 

@@ -12,7 +12,7 @@ import json
 import pathlib
 from typing import Any
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Hardware:
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.flops:
-            raise ShardkitError(f"Hardware {self.name} has no FLOP/s figure for {dtype}; known: {sorted(self.flops)}.")
+            raise InputError(f"Hardware {self.name} has no FLOP/s figure for {dtype}; known: {sorted(self.flops)}.")
         return self.flops[dtype]
 
     @classmethod
@@ -48,18 +48,18 @@ class Hardware:
         """Read a profile from JSON with this class's fields (``flops`` a dict of dtype -> FLOP/s)."""
         p = pathlib.Path(path)
         if not p.is_file():
-            raise ShardkitError(f"Hardware file {p} does not exist; give a JSON file or one of {', '.join(PROFILES)}.")
+            raise InputError(f"Hardware file {p} does not exist; give a JSON file or one of {', '.join(PROFILES)}.")
         try:
             data: dict[str, Any] = json.loads(p.read_text())
         except json.JSONDecodeError as e:
-            raise ShardkitError(f"Hardware file {p} is not valid JSON ({e}).") from e
+            raise InputError(f"Hardware file {p} is not valid JSON ({e}).") from e
         fields = {f.name for f in dataclasses.fields(cls)}
         missing = sorted(fields - set(data) - {"name"})
         if missing:
-            raise ShardkitError(f"Hardware file {p} lacks {missing}; every field of shardkit.Hardware is needed.")
+            raise InputError(f"Hardware file {p} lacks {missing}; every field of shardkit.Hardware is needed.")
         unknown = sorted(set(data) - fields)
         if unknown:
-            raise ShardkitError(f"Hardware file {p} has unknown fields {unknown}; expected {sorted(fields)}.")
+            raise InputError(f"Hardware file {p} has unknown fields {unknown}; expected {sorted(fields)}.")
         return cls(**{"name": p.stem, **data})
 
 
@@ -91,7 +91,7 @@ def get_hardware(name_or_path: str | Hardware) -> Hardware:
         return PROFILES[name_or_path]
     if name_or_path.endswith(".json") or pathlib.Path(name_or_path).exists():
         return Hardware.from_file(name_or_path)
-    raise ShardkitError(f"Unknown hardware {name_or_path!r}: use one of {', '.join(PROFILES)} or a JSON file path.")
+    raise InputError(f"Unknown hardware {name_or_path!r}: use one of {', '.join(PROFILES)} or a JSON file path.")
 
 
 def profile_of_device(device_kind: str) -> Hardware | None:

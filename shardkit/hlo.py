@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 from jax.sharding import Mesh
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import AnalysisError
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -119,6 +119,8 @@ def _groups(line: str, kind: str) -> tuple[tuple[int, ...], ...]:
         names = [p.split("=")[0].strip().strip("'") for p in m["axes"].split(",") if "=" in p]
         if m["ids"]:
             im = re.match(r"\[(?P<shape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?", m["ids"].strip())
+            if im is None:
+                raise HloFormatError(f"Cannot read the device ids of a Shardy mesh: {m['ids']!r}")
             ids = _iota([math.prod(sizes)], _ints(im["shape"]), _ints(im["perm"]) if im["perm"] else None)
         else:
             ids = np.arange(math.prod(sizes))
@@ -216,7 +218,7 @@ def _dims(shape: str) -> list[int]:
     return [int(x) for x in m["dims"].split(",") if x] if m else []
 
 
-class HloFormatError(ShardkitError):
+class HloFormatError(AnalysisError):
     """The compiled program's text is not in a form this parser recognises (so its figures would
     be wrong, not zero)."""
 

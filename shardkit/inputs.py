@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import InputError
 
 # Entries holding vocabulary ids (not "labels": -100 is a common ignore index there).
 TOKEN_KEYS = ("tokens", "input_ids", "targets")
@@ -54,47 +54,45 @@ def check_host_batch(
         of range, or NaN/Inf in a floating-point entry.
     """
     if not isinstance(batch, Mapping) or not batch:
-        raise ShardkitError(
-            f"A batch is a non-empty dict of arrays, e.g. {{'tokens': ids}}, got {type(batch).__name__}."
-        )
+        raise InputError(f"A batch is a non-empty dict of arrays, e.g. {{'tokens': ids}}, got {type(batch).__name__}.")
     if needs_tokens:
         if "tokens" not in batch:
-            raise ShardkitError(
+            raise InputError(
                 f"The default loss (next-token cross-entropy) reads batch['tokens'], but the batch has "
                 f"{sorted(batch)}. Fix: name the token ids 'tokens', or pass loss= that reads your entries."
             )
         tokens = batch["tokens"]
         if np.ndim(tokens) != 2 or np.shape(tokens)[1] < 2:
-            raise ShardkitError(
+            raise InputError(
                 f"batch['tokens'] must be (batch, seq + 1) token ids, got shape {np.shape(tokens)}. "
                 "Fix: stack sequences into a 2-D array with one extra token per row (the last target)."
             )
         if max_seq is not None and np.shape(tokens)[1] - 1 > max_seq:
-            raise ShardkitError(
+            raise InputError(
                 f"batch['tokens'] holds sequences of {np.shape(tokens)[1] - 1} tokens (+1 target); the model takes at "
                 f"most max_seq={max_seq}. Fix: a shorter sequence, or a model with a larger max_seq."
             )
     for name, value in batch.items():
         dtype = getattr(value, "dtype", None)
         if dtype is None:
-            raise ShardkitError(f"batch[{name!r}] is a {type(value).__name__}, not an array. Fix: use np.asarray.")
+            raise InputError(f"batch[{name!r}] is a {type(value).__name__}, not an array. Fix: use np.asarray.")
         dtype = np.dtype(dtype)
         if name in TOKEN_KEYS or (needs_tokens and name == "tokens"):
             if not np.issubdtype(dtype, np.integer):
-                raise ShardkitError(
+                raise InputError(
                     f"batch[{name!r}] holds {dtype} values; token ids must be integers. "
                     f"Fix: convert with .astype(np.int32)."
                 )
             if np.size(value):
                 low, high = int(np.min(value)), int(np.max(value))
                 if low < 0 or (vocab is not None and high >= vocab):
-                    raise ShardkitError(
+                    raise InputError(
                         f"batch[{name!r}] holds token ids from {low} to {high}, outside the model's vocabulary "
                         f"[0, {vocab if vocab is not None else '?'}). An embedding lookup would read a clamped "
                         "row and train on garbage. Fix: check the tokenizer's vocabulary size against the model's."
                     )
         elif np.issubdtype(dtype, np.floating) and np.size(value) and not np.all(np.isfinite(np.asarray(value))):
-            raise ShardkitError(
+            raise InputError(
                 f"batch[{name!r}] holds NaN or Inf values ({int(np.sum(~np.isfinite(np.asarray(value))))} of "
                 f"{np.size(value)}). Fix: clean the data before training."
             )

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import ClusterError
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _TAIL_LINES = 200  # lines of each rank's output kept to explain a failure
@@ -78,7 +78,7 @@ def devices_from_layout(command: Sequence[str], processes: int) -> int | None:
     if any(size == -1 for _, size in layout.sizes):
         return None
     if layout.num_devices % processes:
-        raise ShardkitError(
+        raise ClusterError(
             f"Layout {text} has {layout.num_devices} devices: they do not split over {processes} processes. "
             "Fix: a process count that divides it, or --devices-per-proc."
         )
@@ -87,13 +87,13 @@ def devices_from_layout(command: Sequence[str], processes: int) -> int | None:
 
 def _check_command(command: Sequence[str]) -> None:
     if not command:
-        raise ShardkitError("shardkit launch needs a command after `--`, e.g. `-- shardkit train --layout data=2`.")
+        raise ClusterError("shardkit launch needs a command after `--`, e.g. `-- shardkit train --layout data=2`.")
     program = command[0]
     if os.sep in program:
         if not (os.path.isfile(program) and os.access(program, os.X_OK)):
-            raise ShardkitError(f"shardkit launch: {program} is not an executable file. Fix: check the path.")
+            raise ClusterError(f"shardkit launch: {program} is not an executable file. Fix: check the path.")
     elif shutil.which(program) is None:
-        raise ShardkitError(
+        raise ClusterError(
             f"shardkit launch: command {program!r} not found on PATH. Fix: check the spelling, or give its full "
             "path (e.g. `-- python train.py`)."
         )
@@ -186,11 +186,11 @@ def launch(
     """
     _check_command(command)
     if nproc < 1:
-        raise ShardkitError(f"--nproc {nproc}: launch at least one process.")
+        raise ClusterError(f"--nproc {nproc}: launch at least one process.")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise ShardkitError(f"--node-rank {node_rank} of --nnodes {nnodes}: give 0 <= node rank < nodes >= 1.")
+        raise ClusterError(f"--node-rank {node_rank} of --nnodes {nnodes}: give 0 <= node rank < nodes >= 1.")
     if nnodes > 1 and not coordinator:
-        raise ShardkitError(
+        raise ClusterError(
             f"--nnodes {nnodes}: every node needs the same --coordinator host:port (node 0's address), e.g. "
             "--coordinator 10.0.0.1:12355."
         )

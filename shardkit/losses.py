@@ -40,7 +40,7 @@ def like(x: jax.Array, reference: jax.Array) -> jax.Array:
     as shardkit chose. Unchanged on Auto axes, where the partitioner reconciles them."""
     sharding = getattr(jax.typeof(reference), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    if mesh is None or jax.sharding.AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+    if sharding is None or mesh is None or jax.sharding.AxisType.Explicit not in getattr(mesh, "axis_types", ()):
         return x
     spec = tuple(sharding.spec) + (None,) * (reference.ndim - len(sharding.spec))
     return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*spec[: x.ndim]))

@@ -17,7 +17,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from shardkit.errors import ShardkitError, short_repr
+from shardkit.errors import LayoutError, short_repr
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "sequence", "stage", "expert")
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -48,7 +48,7 @@ class Layout:
         """This layout with ``axes`` spanning hosts, e.g. ``Layout.parse("data=2,fsdp=4").spanning("data")``."""
         unknown = [a for a in axes if a not in self.axis_names]
         if unknown:
-            raise ShardkitError(f"across_hosts names {unknown[0]!r}, not an axis of {self.spec()}.")
+            raise LayoutError(f"across_hosts names {unknown[0]!r}, not an axis of {self.spec()}.")
         return dataclasses.replace(self, across_hosts=tuple(a for a in self.axis_names if a in axes))
 
     @classmethod
@@ -60,17 +60,17 @@ class Layout:
         """
         for name, size in sizes.items():
             if not _AXIS_NAME.match(name):
-                raise ShardkitError(f"Mesh axis name {name!r} is not an identifier; use e.g. 'data'.")
+                raise LayoutError(f"Mesh axis name {name!r} is not an identifier; use e.g. 'data'.")
             if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
-                raise ShardkitError(
+                raise LayoutError(
                     f"Mesh axis {name}={size!r}: a size must be a positive integer, or -1 for "
                     "'the rest of the devices'."
                 )
         for name in sizes:
             if name not in MESH_AXES and name not in custom:
-                raise ShardkitError(_unknown_axis(name, sizes))
+                raise LayoutError(_unknown_axis(name, sizes))
         if sum(1 for s in sizes.values() if s == -1) > 1:
-            raise ShardkitError(
+            raise LayoutError(
                 f"Layout {sizes} has more than one axis of size -1; only one axis can take "
                 "'the rest of the devices'. Give explicit sizes to the others."
             )
@@ -96,9 +96,7 @@ class Layout:
         across: tuple[str, ...] = ()
         custom: tuple[str, ...] = ()
         if not str(text).strip():
-            raise ShardkitError(
-                "The layout is empty: give mesh axis sizes, e.g. 'data=8' or 'data=2,fsdp=-1,tensor=2'."
-            )
+            raise LayoutError("The layout is empty: give mesh axis sizes, e.g. 'data=8' or 'data=2,fsdp=-1,tensor=2'.")
         for part in (p.strip() for p in str(text).split(",")):
             if not part:
                 continue
@@ -110,7 +108,7 @@ class Layout:
             value, _, axis_type = value.partition(":")
             if axis_type:
                 if axis_type.strip() not in ("auto", "explicit"):
-                    raise ShardkitError(
+                    raise LayoutError(
                         f"Layout entry {part!r}: the axis type after ':' is 'auto' or 'explicit', not {axis_type!r}."
                     )
                 types[name] = axis_type.strip()
@@ -119,15 +117,15 @@ class Layout:
             except ValueError:
                 size = None
             if not eq or size is None:
-                raise ShardkitError(
+                raise LayoutError(
                     f"Cannot read layout entry {part!r} in {text!r}: write axis=size, e.g. 'data=2,fsdp=-1,tensor=2'."
                 )
             if name in sizes:
-                raise ShardkitError(f"Layout {text!r} names axis {name!r} twice; name each axis once.")
+                raise LayoutError(f"Layout {text!r} names axis {name!r} twice; name each axis once.")
             sizes[name] = size
         if len(set(types.values())) > 1:
             marked = ", ".join(f"{a}:{t}" for a, t in types.items())
-            raise ShardkitError(
+            raise LayoutError(
                 f"Layout {text!r} mixes Auto and Explicit mesh axes ({marked}). "
                 "shardkit builds one mesh of one axis type: mark every axis ':explicit' for a model written for "
                 "sharding in types, or none for Auto axes."
@@ -158,7 +156,7 @@ class Layout:
         if has_rest:
             if num_devices % known:
                 sizes = ", ".join(str(d) for d in range(1, num_devices + 1) if num_devices % d == 0)
-                raise ShardkitError(
+                raise LayoutError(
                     f"Layout {self.spec()} cannot fill {num_devices} device{'s' * (num_devices != 1)}: the fixed "
                     f"axes use {known}, which does not divide {num_devices}. Make their product divide {num_devices} "
                     f"(one of {sizes}), or run on a multiple of {known} devices ({_more_devices(known)})."
@@ -166,7 +164,7 @@ class Layout:
             filled = tuple((a, num_devices // known if s == -1 else s) for a, s in self.sizes)
             return dataclasses.replace(self, sizes=filled)
         if known != num_devices:
-            raise ShardkitError(
+            raise LayoutError(
                 f"Layout {self.spec()} needs {known} devices but {num_devices} are available. "
                 f"Make the sizes multiply to {num_devices} (e.g. put -1 on one axis: "
                 f"'{_example_fill(self)}'), or run on {known} devices ({_more_devices(known)})."
@@ -246,7 +244,7 @@ def _hybrid_devices(layout: Layout, devices: list[jax.Device]) -> np.ndarray:
     hosts = sorted({d.process_index for d in devices})
     across = math.prod(s for a, s in layout.sizes if a in layout.across_hosts)
     if across != len(hosts):
-        raise ShardkitError(
+        raise LayoutError(
             f"Layout {layout.spec()} puts {'x'.join(layout.across_hosts)}={across} across hosts, but the devices "
             f"come from {len(hosts)} host process(es). Make the across-host axes multiply to {len(hosts)}."
         )
@@ -254,7 +252,7 @@ def _hybrid_devices(layout: Layout, devices: list[jax.Device]) -> np.ndarray:
     ici = [1 if a in layout.across_hosts else s for a, s in layout.sizes]
     per_host = [[d for d in devices if d.process_index == h] for h in hosts]
     if any(len(group) != math.prod(ici) for group in per_host):
-        raise ShardkitError(
+        raise LayoutError(
             f"Layout {layout.spec()} keeps {math.prod(ici)} devices inside each host, but the hosts have "
             f"{sorted({len(g) for g in per_host})} devices each."
         )
@@ -283,5 +281,5 @@ def as_layout(layout: Layout | str | Mapping[str, int]) -> Layout:
     if isinstance(layout, str):
         return Layout.parse(layout)
     if isinstance(layout, Mapping):
-        return Layout.of(**layout)
-    raise ShardkitError(f"Expected a Layout, a string like 'data=2,tensor=4' or a dict; got {short_repr(layout)}.")
+        return Layout.of(**layout)  # type: ignore[arg-type]  # axis=size keywords
+    raise LayoutError(f"Expected a Layout, a string like 'data=2,tensor=4' or a dict; got {short_repr(layout)}.")

@@ -21,7 +21,7 @@ from flax import linen as nn
 from flax import nnx
 
 from shardkit.boundaries import batch_in_flight, constrain_outputs, linen_boundaries, nnx_boundaries
-from shardkit.errors import ShardkitError, short_repr
+from shardkit.errors import ModelError, short_repr
 from shardkit.partition import Axes, RegexRule, linen_axes, nnx_axes, path_str, regex_axes
 
 Params = Any
@@ -162,18 +162,18 @@ def from_nnx(
       >>> model = sk.from_nnx(lambda rngs: sk.models.MLP(sk.models.MLPConfig(), rngs=rngs))
     """
     if not (isinstance(make, nnx.Module) or callable(make)):
-        raise ShardkitError(
+        raise ModelError(
             f"from_nnx takes a function of rngs that builds the module (lambda rngs: MyModel(..., rngs=rngs)) or a "
             f"module, got {short_repr(make)}."
         )
     instance = make if isinstance(make, nnx.Module) else None
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: instance if instance is not None else make(nnx.Rngs(0)))
-    graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
+    graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]
     label = name or type(abstract).__name__
     extra = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0]
     if extra:
-        raise ShardkitError(NNX_EXTRA_STATE.format(name=label, paths=[path_str(p) for p, _ in extra][:5]))
+        raise ModelError(NNX_EXTRA_STATE.format(name=label, paths=[path_str(p) for p, _ in extra][:5]))
     takes_rngs = "rngs" in inspect.signature(type(abstract).__call__).parameters
 
     def init(key: jax.Array) -> Params:
@@ -206,7 +206,7 @@ def _nnx_stages(graphdef: Any, abstract: nnx.Module, layers: str, label: str) ->
     held = getattr(abstract, layers, None)
     leaves = jax.tree.leaves(nnx.to_pure_dict(nnx.state(held, nnx.Param))) if isinstance(held, nnx.Module) else []
     if missing or not leaves:
-        raise ShardkitError(
+        raise ModelError(
             f"Model {label} cannot be split into pipeline stages: "
             + (f"it lacks the method(s) {', '.join(missing)}" if missing else f"it has no stacked layers at {layers!r}")
             + ". Fix: stack the layers with nnx.vmap in one attribute and define embed_inputs, run_layers and "

@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from shardkit.errors import ShardkitError, short_repr
+from shardkit.errors import ModelError, ShardkitError, short_repr
 from shardkit.model import Model
 
 ModelSource = str | Callable[[], Model]
@@ -31,7 +31,7 @@ def factory_ref(factory: Callable[[], Model]) -> str:
     """
     module, qualname = getattr(factory, "__module__", None), getattr(factory, "__qualname__", "")
     if not module or not qualname or module == "__main__" or "<" in qualname:
-        raise ShardkitError(
+        raise ModelError(
             f"The model factory {short_repr(factory)} cannot be found by another process (it is a lambda, nested, "
             "or defined in __main__), and this dry run needs one because JAX already started here with another "
             "device count. Fix: define the factory at the top level of an importable module and pass it, or "
@@ -52,20 +52,20 @@ def load_factory(ref: str) -> Callable[[], Model]:
     """Import ``package.module:attr.path`` and return the object it names."""
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
-        raise ShardkitError(f"Model {ref!r}: write a factory as 'package.module:function', e.g. 'mymodels:small_lm'.")
+        raise ModelError(f"Model {ref!r}: write a factory as 'package.module:function', e.g. 'mymodels:small_lm'.")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:
-        raise ShardkitError(
+        raise ModelError(
             f"Model {ref!r}: cannot import module {module_name!r} ({e}). Fix: install the package, or run from "
             "the directory that holds it (or add it to PYTHONPATH)."
         ) from e
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ShardkitError(f"Model {ref!r}: module {module_name!r} has no attribute {attr!r}; check the name.")
+            raise ModelError(f"Model {ref!r}: module {module_name!r} has no attribute {attr!r}; check the name.")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ShardkitError(f"Model {ref!r} names {short_repr(obj)}, which is not callable; name a factory function.")
+        raise ModelError(f"Model {ref!r} names {short_repr(obj)}, which is not callable; name a factory function.")
     return obj
 
 
@@ -73,7 +73,7 @@ def build_model(factory: Callable[[], Model], label: str) -> Model:
     """Call a factory and check that it returned a :class:`Model`."""
     model = factory()
     if not isinstance(model, Model):
-        raise ShardkitError(
+        raise ModelError(
             f"Model factory {label} returned {short_repr(model)} ({type(model).__name__}), not a shardkit Model. "
             "Fix: return sk.from_nnx(lambda rngs: MyModel(..., rngs=rngs)) or sk.from_linen(module, example_input)."
         )

@@ -31,7 +31,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit.errors import ShardkitError, short_repr
+from shardkit.errors import RuleError, short_repr
 from shardkit.rules import Fallback, Rules, check_spec, resolve
 
 # flax 0.12.4+ calls its key 'out_sharding' (earlier: 'sharding_names', 'sharding'); it holds
@@ -85,7 +85,8 @@ def logical(init: Callable[..., jax.Array], names: Sequence[str | None]) -> Call
       ...     kernel_init=logical(nnx.initializers.lecun_normal(), ("embed", "mlp")))
     """
     # eager_sharding=False: flax would otherwise read the logical names as mesh axes at creation.
-    return nnx.with_metadata(init, **{_FLAX_NAMES_KEY: tuple(names), _SHARDKIT_MARKER: True, "eager_sharding": False})
+    metadata: dict[str, Any] = {_FLAX_NAMES_KEY: tuple(names), _SHARDKIT_MARKER: True, "eager_sharding": False}
+    return nnx.with_metadata(init, **metadata)
 
 
 def nnx_axes(state: Any) -> Any:
@@ -172,7 +173,7 @@ def regex_axes(
     compiled = []
     for rule in patterns:
         if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
-            raise ShardkitError(
+            raise RuleError(
                 f"Regex rule {short_repr(rule)} is not a (regex, names) pair, e.g. (r'mlp/.*/kernel$', "
                 "('embed', 'mlp')); pass a list of such pairs or a dict {regex: names}."
             )
@@ -180,7 +181,7 @@ def regex_axes(
         try:
             compiled.append((re.compile(pattern), pattern, target))
         except re.error as e:
-            raise ShardkitError(f"Regex rule {pattern!r} does not compile ({e}); fix the pattern.") from e
+            raise RuleError(f"Regex rule {pattern!r} does not compile ({e}); fix the pattern.") from e
     used: set[str] = set()
     flat_own = jax.tree_util.tree_flatten_with_path(own, is_leaf=_is_axes)[0] if own is not None else []
     own_by_path = {path_str(p): a for p, a in flat_own}
@@ -195,14 +196,14 @@ def regex_axes(
         for regex, pattern, target in compiled:
             if regex.search(key):
                 used.add(pattern)
-                if annotated and not override:
+                if annotated and not override and mine is not None:
                     return mine
                 if target is None:
                     return Axes()
                 if isinstance(target, PartitionSpec):
                     return Axes(spec=target)
                 if len(tuple(target)) != len(leaf.shape):
-                    raise ShardkitError(
+                    raise RuleError(
                         f"Regex rule {pattern!r} gives {key} (shape {tuple(leaf.shape)}) {len(tuple(target))} names "
                         f"{tuple(target)}; it has {len(leaf.shape)} dimensions. Fix: one name per dimension (None for "
                         "a dimension left whole), or a narrower pattern."
@@ -211,14 +212,14 @@ def regex_axes(
         if model_annotates:
             return mine if mine is not None else Axes()
         listing = "\n".join(f"    ({p!r}, {t!r})" for _, p, t in compiled) or "    (none)"
-        raise ShardkitError(NO_REGEX_MATCH.format(path=key, shape=tuple(leaf.shape), patterns=listing))
+        raise RuleError(NO_REGEX_MATCH.format(path=key, shape=tuple(leaf.shape), patterns=listing))
 
     out = jax.tree_util.tree_map_with_path(names_for, params)
     # A rule that matched nothing is a typo or a rule for another variant of the model; a
     # catch-all (one that matches any path) is neither.
     unused = [p for regex, p, _ in compiled if p not in used and not regex.fullmatch("")]
     if unused and strict:
-        raise ShardkitError(
+        raise RuleError(
             f"Regex rule {unused[0]!r} matched no parameter. Parameter paths look like "
             f"{[path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0][:4]]}; "
             "fix the pattern, remove the rule, or pass strict=False to only warn."
@@ -273,7 +274,13 @@ def specs_for(
         if ax.flax and names is not None:
             names, extended = _mesh_names_as_rules(names, rules, mesh_shape)
         return resolve(
-            names, shape, extended, mesh_shape, what=what, allow_replicate=allow_replicate, fallbacks=fallbacks
+            names,  # type: ignore[arg-type]  # Flax's grouped names are rules by now
+            shape,
+            extended,
+            mesh_shape,
+            what=what,
+            allow_replicate=allow_replicate,
+            fallbacks=fallbacks,
         )
 
     return jax.tree_util.tree_map_with_path(one, axes, shapes, is_leaf=_is_axes)

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,5 +72,5 @@ def as_precision(policy: str | Precision) -> Precision:
     if isinstance(policy, Precision):
         return policy
     if policy not in POLICIES:
-        raise ShardkitError(f"Unknown precision {policy!r}; choose one of {', '.join(POLICIES)}.")
+        raise InputError(f"Unknown precision {policy!r}; choose one of {', '.join(POLICIES)}.")
     return POLICIES[policy]

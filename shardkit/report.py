@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from shardkit import hlo
+from shardkit.errors import AnalysisError
 from shardkit.mesh import Layout
 from shardkit.model import Model, model_facts
 from shardkit.precision import Precision
@@ -415,6 +416,8 @@ def build_report(trainer: CompiledStep, batch: dict[str, Any], compile_seconds: 
     compiled = trainer.compile(batch)
     text = compiled.as_text()
     mem = compiled.memory_analysis()
+    if text is None or mem is None:
+        raise AnalysisError("The compiled step has no HLO text or memory analysis on this backend; nothing to report.")
     abstract = trainer.abstract_state()
     shardings = trainer.state_shardings
     batch_shardings = {k: jax.sharding.NamedSharding(trainer.mesh, s) for k, s in trainer.batch_specs(batch).items()}

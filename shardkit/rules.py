@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
-from shardkit.errors import ShardkitError, short_repr
+from shardkit.errors import AnnotationError, LayoutError, RuleError, short_repr
 from shardkit.mesh import MESH_AXES, Layout
 
 # Logical axis names shardkit's models use, in default priority order.
@@ -134,10 +134,10 @@ def as_rules(rules: RulesLike) -> Rules:
     if isinstance(rules, Rules):
         return rules
     if isinstance(rules, str | bytes | Mapping) or not isinstance(rules, Iterable):
-        raise ShardkitError(NOT_RULES.format(got=short_repr(rules)))
+        raise RuleError(NOT_RULES.format(got=short_repr(rules)))
     pairs = list(rules)
     if not all(isinstance(p, list | tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
-        raise ShardkitError(NOT_RULES.format(got=short_repr(pairs)))
+        raise RuleError(NOT_RULES.format(got=short_repr(pairs)))
     return Rules.from_pairs(pairs)
 
 
@@ -148,7 +148,7 @@ def _as_axes(name: str, axes: str | Sequence[str] | None) -> tuple[str, ...]:
         axes = (axes,)
     axes = tuple(axes)
     if len(set(axes)) != len(axes):
-        raise ShardkitError(
+        raise RuleError(
             f"Rule {name!r} -> {axes} names a mesh axis twice; a dimension can use each mesh axis "
             f"once. Write {name!r} -> {tuple(dict.fromkeys(axes))}."
         )
@@ -250,48 +250,49 @@ def resolve(
     Example:
       >>> from shardkit.rules import default_rules
       >>> resolve(("embed", "mlp"), (64, 256), default_rules(), {"fsdp": 2, "tensor": 4})
-      PartitionSpec('fsdp', 'tensor')
+      P('fsdp', 'tensor')
     """
     if names is None:
         return PartitionSpec()
     names = tuple(names)
     if len(names) != len(shape):
-        raise ShardkitError(
+        raise AnnotationError(
             f"{what}: {len(names)} logical axis names {names} for an array of shape {tuple(shape)} "
             f"({len(shape)} dimensions). Give exactly one name (or None) per dimension."
         )
     known = dict(rules.rules)
     unknown = [n for n in names if n is not None and n not in known]
     if unknown:
-        raise ShardkitError(
+        raise RuleError(
             f"{what}: logical axis {unknown[0]!r} (in {names}) has no rule. Known: "
             f"{', '.join(known)}. Add one, e.g. rules + sk.Rules.of({unknown[0]}='tensor'), or "
             f"Rules.of({unknown[0]}=None) to keep it unsharded."
         )
     missing_axes = sorted({a for n in names if n for a in known[n]} - set(mesh_shape))
     if missing_axes:
-        raise ShardkitError(
+        raise RuleError(
             f"{what}: rules map {names} to mesh axis {missing_axes[0]!r}, which the mesh "
             f"{dict(mesh_shape)} does not have. Add it to the layout (e.g. "
             f"'{missing_axes[0]}=2') or change the rule."
         )
     priority = {n: i for i, n in enumerate(known)}
-    order = sorted((d for d, n in enumerate(names) if n is not None), key=lambda d: (priority[names[d]], d))
+    named_dims = {d: n for d, n in enumerate(names) if n is not None}
+    order = sorted(named_dims, key=lambda d: (priority[named_dims[d]], d))
     used: set[str] = set()
     entries: list[tuple[str, ...]] = [()] * len(names)
     for d in order:
-        axes = tuple(a for a in known[names[d]] if mesh_shape[a] > 1 and a not in used)
+        axes = tuple(a for a in known[named_dims[d]] if mesh_shape[a] > 1 and a not in used)
         shards = math.prod(mesh_shape[a] for a in axes)
         if shape[d] % shards:
             if not allow_replicate:
-                raise ShardkitError(
+                raise LayoutError(
                     f"{what}: dimension {d} ({names[d]}={shape[d]}, shape {tuple(shape)}) does not "
                     f"divide over mesh axes {'x'.join(axes)}={shards}. Choose sizes that divide, "
                     f"change the layout, or pass allow_replicate=True to replicate such "
                     f"dimensions (reported)."
                 )
             if fallbacks is not None:
-                fallbacks.append(Fallback(what, d, names[d], shape[d], axes, shards))
+                fallbacks.append(Fallback(what, d, named_dims[d], shape[d], axes, shards))
             continue
         entries[d] = axes
         used.update(axes)
@@ -314,7 +315,7 @@ def entry_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
 def check_spec(spec: PartitionSpec, shape: Sequence[int], mesh_shape: Mapping[str, int], what: str) -> None:
     """Validate a user-given ``PartitionSpec``: known axes, each used once, dimensions divide."""
     if len(spec) > len(shape):
-        raise ShardkitError(
+        raise AnnotationError(
             f"{what}: PartitionSpec {spec} has {len(spec)} entries for shape {tuple(shape)}; give at "
             "most one entry per dimension."
         )
@@ -323,19 +324,19 @@ def check_spec(spec: PartitionSpec, shape: Sequence[int], mesh_shape: Mapping[st
         axes = entry_axes(entry)
         for a in axes:
             if a not in mesh_shape:
-                raise ShardkitError(
+                raise RuleError(
                     f"{what}: PartitionSpec {spec} uses mesh axis {a!r}, not in the mesh "
                     f"{dict(mesh_shape)}. Use one of {', '.join(mesh_shape)}."
                 )
             if a in seen:
-                raise ShardkitError(
+                raise RuleError(
                     f"{what}: PartitionSpec {spec} uses mesh axis {a!r} twice; each mesh axis can "
                     "shard only one dimension of an array. Remove one of them."
                 )
             seen.add(a)
         shards = math.prod(mesh_shape[a] for a in axes)
         if shape[d] % shards:
-            raise ShardkitError(
+            raise LayoutError(
                 f"{what}: dimension {d} of shape {tuple(shape)} does not divide over {axes}={shards}. "
                 "Change the spec or the layout."
             )

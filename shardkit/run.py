@@ -22,7 +22,7 @@ from shardkit import run_dir
 from shardkit.checkpoint import Checkpointer
 from shardkit.config import OPTIMIZER_NAMES, TrainConfig
 from shardkit.data import TextDataset, load_text
-from shardkit.errors import ShardkitError
+from shardkit.errors import InputError, ModelError
 from shardkit.generate import generate
 from shardkit.hardware import profile_of_device
 from shardkit.model import model_facts
@@ -117,19 +117,21 @@ def _halted(
     step: int,
     run: dict[str, dict[str, Any]],
     out: TextIO,
-) -> ShardkitError:
+) -> NonFiniteError:
     """The guard stopped the run: keep the last good state on disk, and say how to go on."""
     if ckpt is None:
-        return ShardkitError(f"{error} The last good state is lost: pass --checkpoint-dir to keep it.")
+        text = f"{error} The last good state is lost: pass --checkpoint-dir to keep it."
+        return NonFiniteError(text, error.state, error.step, error.parameter)
     ckpt.wait()  # the save in flight first: it may be the newest good one
     ckpt.save(trainer, error.state, data_position=step, run=run, force=True)
     ckpt.close()
     saved = int(error.state.step)
     print(f"halted: the last good state (step {saved}) is checkpoint step {saved} in {cfg.checkpoint_dir}", file=out)
-    return ShardkitError(
+    text = (
         f"{error} The last good state (step {saved}) is saved in {cfg.checkpoint_dir}. Fix: resume from it with "
         "the same command and a lower --lr (add --allow-schedule-change), after checking the data."
     )
+    return NonFiniteError(text, error.state, error.step, error.parameter)
 
 
 def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) -> dict[str, Any]:
@@ -146,16 +148,14 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
     if jax.process_index() != 0:  # several processes, one program: process 0 speaks for all
         out = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the run
     if cfg.model not in GPTConfig.preset_names():
-        raise ShardkitError(
-            f"--model {cfg.model!r} is not a preset; choose one of {', '.join(GPTConfig.preset_names())}."
-        )
+        raise ModelError(f"--model {cfg.model!r} is not a preset; choose one of {', '.join(GPTConfig.preset_names())}.")
     text = load_text(cfg.data) if cfg.data else None
     dataset = TextDataset.from_bytes(text, cfg.seed) if text is not None else TextDataset.builtin(cfg.seed)
     gpt_cfg = GPTConfig.preset(cfg.model, dropout=cfg.dropout, remat=cfg.remat)
     if gpt_cfg.vocab < TextDataset.VOCAB:
-        raise ShardkitError(f"--model {cfg.model} has vocab {gpt_cfg.vocab} < 256 byte tokens.")
+        raise ModelError(f"--model {cfg.model} has vocab {gpt_cfg.vocab} < 256 byte tokens.")
     if cfg.seq > gpt_cfg.max_seq:
-        raise ShardkitError(f"--seq {cfg.seq} exceeds the {cfg.model} model's max_seq={gpt_cfg.max_seq}.")
+        raise InputError(f"--seq {cfg.seq} exceeds the {cfg.model} model's max_seq={gpt_cfg.max_seq}.")
     model = gpt_cfg.model(name=f"GPT-{cfg.model}")
     trainer = Trainer(
         model,
@@ -295,8 +295,8 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
         if bar is not None:
             bar.note(f"sampling {cfg.sample_tokens} tokens")
         prompt = dataset.encode(cfg.prompt) if cfg.prompt else dataset.tokens[:1].astype(np.int32)
-        tokens = generate(model, state.params, prompt, cfg.sample_tokens, cfg.seq, seed=cfg.seed)
-        sample = dataset.decode(tokens)
+        sampled = generate(model, state.params, prompt, cfg.sample_tokens, cfg.seq, seed=cfg.seed)
+        sample = dataset.decode(sampled)
         print("sample:\n" + sample, file=out)
     return {
         "losses": losses,

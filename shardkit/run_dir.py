@@ -15,7 +15,7 @@ import shutil
 from typing import Any
 
 from shardkit.config import RESUMABLE_SETTINGS, TrainConfig
-from shardkit.errors import ShardkitError
+from shardkit.errors import CheckpointError
 
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -44,10 +44,10 @@ def prepare(cfg: TrainConfig) -> TrainConfig:
     root = pathlib.Path(cfg.run_dir)
     config = root / CONFIG
     if root.exists() and not root.is_dir():
-        raise ShardkitError(f"--run-dir {root} is a file; give a directory.")
+        raise CheckpointError(f"--run-dir {root} is a file; give a directory.")
     if cfg.overwrite and root.exists():
         if not config.is_file() and any(root.iterdir()):
-            raise ShardkitError(
+            raise CheckpointError(
                 f"--overwrite: {root} holds files but no {CONFIG}, so it is not a shardkit run directory; "
                 "nothing was deleted. Fix: choose another --run-dir."
             )
@@ -59,13 +59,13 @@ def prepare(cfg: TrainConfig) -> TrainConfig:
         try:
             stored = json.loads(config.read_text())
         except ValueError as e:
-            raise ShardkitError(f"{config} is not valid JSON ({e}); fix it, or start over with --overwrite.") from e
+            raise CheckpointError(f"{config} is not valid JSON ({e}); fix it, or start over with --overwrite.") from e
         changed = differences(stored, cfg)
         refused = {k: v for k, v in changed.items() if k not in {a.replace("-", "_") for a in cfg.allow_change}}
         if refused:
             listing = ", ".join(f"--{k.replace('_', '-')} {old} (now {new})" for k, (old, new) in refused.items())
             keys = " ".join(f"--allow-change {k.replace('_', '-')}" for k in refused)
-            raise ShardkitError(
+            raise CheckpointError(
                 f"Run directory {root} holds a run with {listing}. Fix: resume with the same settings, continue "
                 f"under the new ones with {keys}, or start over with --overwrite."
             )

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import LayoutError
 from shardkit.mesh import Layout, as_layout
 from shardkit.model import Model, Params
 from shardkit.partition import Axes, named, path_str, specs_for
@@ -36,7 +36,7 @@ def _check_rows(name: str, rows: int, axes: list[str], mesh_shape: Mapping[str, 
         return
     below, above = rows // split * split, (rows // split + 1) * split
     sizes = f"{below} or {above}" if below else f"{above}"
-    raise ShardkitError(
+    raise LayoutError(
         f"batch[{name!r}] has {rows} rows, which do not split over the {split} devices of its batch axes "
         f"({' x '.join(axes)}): use a multiple of {split}, e.g. {sizes} (--batch on the command line), or a layout "
         f"whose {' x '.join(axes)} divides {rows}."
@@ -60,9 +60,12 @@ class ShardingPlan:
 
     Example:
       >>> import optax, shardkit as sk
-      >>> plan = plan_sharding(sk.models.GPTConfig.preset("tiny").model(), optax.adamw(1e-3), "fsdp=8")
+      >>> from shardkit.precision import as_precision
+      >>> model = sk.models.GPTConfig.preset("tiny").model()
+      >>> adamw, fp32 = optax.adamw(1e-3), as_precision("fp32")
+      >>> plan = plan_sharding(model, adamw, "fsdp=8", rules=sk.default_rules(), precision=fp32)
       >>> plan.param_specs["lm_head"]
-      PartitionSpec('fsdp', None)
+      P('fsdp', None)
     """
 
     layout: Layout
@@ -112,7 +115,7 @@ class ShardingPlan:
         for name, shards in self.batch_shards(batch).items():
             rows = batch[name].shape[0] if batch[name].shape else 0
             if rows % (microbatches * shards):
-                raise ShardkitError(
+                raise LayoutError(
                     f"batch[{name!r}] has {rows} rows: with microbatches={microbatches} and the batch "
                     f"split over {shards} devices it needs a multiple of {microbatches * shards}. "
                     "Change the batch size or the number of microbatches."
@@ -127,13 +130,13 @@ class ShardingPlan:
         spec = self.batch_specs({"tokens": jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)})["tokens"]
         sharding = NamedSharding(self.mesh, spec)
         starts_stops = {
-            (idx[0].start or 0, batch_size if idx[0].stop is None else idx[0].stop)
+            (idx[0].start or 0, batch_size if idx[0].stop is None else idx[0].stop)  # type: ignore[index]
             for idx in sharding.addressable_devices_indices_map((batch_size, 1)).values()
         }
         start, stop = min(a for a, _ in starts_stops), max(b for _, b in starts_stops)
         covered = sum(b - a for a, b in starts_stops)
         if covered != stop - start or (stop - start) * jax.process_count() != batch_size:
-            raise ShardkitError(
+            raise LayoutError(
                 f"With layout {self.layout.spec()} this process's devices hold rows {sorted(starts_stops)} of the "
                 f"batch, not one contiguous share of it. Put the axes that span hosts first in the batch axes "
                 "(e.g. across_hosts=data)."
@@ -211,7 +214,7 @@ def plan_sharding(
         model.axes, abstract_params, rules, mesh, allow_replicate=allow_replicate, fallbacks=fallbacks
     )
     abstract_opt = jax.eval_shape(lambda p: optimizer.init(precision.optimizer_copy(p)), abstract_params)
-    replicated = PartitionSpec()
+    replicated: Any = PartitionSpec()  # a leaf of the state's tree of specs
     state_specs = TrainState(
         step=replicated,
         params=param_specs,
@@ -239,7 +242,7 @@ def follow_params(opt_state: Any, params: Any, param_specs: Any) -> Any:
 
     def is_param_like(x: Any) -> bool:
         try:
-            return jax.tree.structure(x) == params_def and jax.tree.all(
+            return jax.tree.structure(x) == params_def and jax.tree.all(  # type: ignore[operator]
                 jax.tree.map(lambda a, b: getattr(a, "shape", None) == b.shape, x, params)
             )
         except (ValueError, TypeError):

@@ -13,6 +13,7 @@ jits that step with the shardings of a :class:`shardkit.sharding.ShardingPlan`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import LayoutError, PipelineError, ShardkitError
 from shardkit.losses import Batch, LossFn
 from shardkit.mesh import Layout
 from shardkit.model import Model, Params
@@ -60,14 +61,14 @@ def pipeline_schedule(
     p = layout.size("stage")
     if p == 1:
         if name is not None or virtual_stages != 1:
-            raise ShardkitError(
+            raise PipelineError(
                 f"schedule={name!r}, virtual_stages={virtual_stages} need pipeline stages, but layout "
                 f"{layout.spec()} has stage=1. Fix: add stage=N to the layout, or drop them."
             )
         return None
     stages = model.stages
     if stages is None:
-        raise ShardkitError(
+        raise PipelineError(
             f"Layout {layout.spec()} pipelines the model over {p} stages, but model {model.name} "
             "does not say how it splits into stages. Fix: build it with sk.from_nnx(..., stacked_layers=...) "
             "(GPTConfig(scan_layers=True).model() does), or drop stage from the layout."
@@ -75,14 +76,14 @@ def pipeline_schedule(
     chunks = p * virtual_stages if isinstance(virtual_stages, int) and virtual_stages > 0 else p
     if stages.n_layers % chunks:
         divisors = [d for d in range(1, stages.n_layers + 1) if stages.n_layers % d == 0]
-        raise ShardkitError(
+        raise PipelineError(
             f"Model {model.name} has {stages.n_layers} layers: they do not divide into stage={p} "
             f"stages x virtual_stages={virtual_stages}. Fix: make stage x virtual_stages one of {divisors}, "
             f"or use a layer count that is a multiple of {chunks}."
         )
     for axis in ("sequence", "expert"):
         if layout.size(axis) > 1:
-            raise ShardkitError(
+            raise LayoutError(
                 f"Layout {layout.spec()} combines stage with {axis}>1, which shardkit does not "
                 f"pipeline yet. Fix: use stage with data, fsdp and tensor only, or drop stage."
             )
@@ -240,10 +241,10 @@ def make_step(
         updated = optax.apply_updates(target, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count}
         if state.master is not None:
-            new = state.replace(params=precision.cast_for_storage(updated), master=updated)
+            new = dataclasses.replace(state, params=precision.cast_for_storage(updated), master=updated)
         else:
-            new = state.replace(params=updated)
-        new = new.replace(step=state.step + 1, opt_state=opt_state)
+            new = dataclasses.replace(state, params=updated)
+        new = dataclasses.replace(new, step=state.step + 1, opt_state=opt_state)
         if nonfinite is not None:
             finite_grads = jax.tree.map(lambda g: jnp.all(jnp.isfinite(g)), grads)
             # The new parameters too: finite gradients can still give an overflowing update (a

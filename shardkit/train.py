@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardkit.errors import ShardkitError, short_repr
+from shardkit.errors import InputError, LayoutError, ModelError, short_repr
 from shardkit.inputs import check_host_batch, vocab_size
 from shardkit.losses import LossFn, cross_entropy, like, mse_loss, next_token_loss
 from shardkit.mesh import Layout, as_layout
@@ -126,21 +126,21 @@ class Trainer:
         devices: Sequence[jax.Device] | None = None,
     ) -> None:
         if not isinstance(optimizer, optax.GradientTransformation):
-            raise ShardkitError(NOT_AN_OPTIMIZER.format(got=short_repr(optimizer)))
+            raise ModelError(NOT_AN_OPTIMIZER.format(got=short_repr(optimizer)))
         if not isinstance(model, Model):
-            raise ShardkitError(
+            raise ModelError(
                 f"model must be a shardkit Model, got {type(model).__name__}. Wrap a Flax model with "
                 "sk.from_nnx(lambda rngs: MyModel(..., rngs=rngs)) or sk.from_linen(module, example_input)."
             )
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-            raise ShardkitError(f"microbatches must be a positive integer, got {microbatches!r}.")
+            raise InputError(f"microbatches must be a positive integer, got {microbatches!r}.")
         if nonfinite is not None and nonfinite not in NONFINITE_POLICIES:
-            raise ShardkitError(f"nonfinite={nonfinite!r}: choose 'skip', 'halt' or None.")
+            raise InputError(f"nonfinite={nonfinite!r}: choose 'skip', 'halt' or None.")
         if not isinstance(max_skips, int) or isinstance(max_skips, bool) or max_skips < 0:
-            raise ShardkitError(f"max_skips={max_skips!r}: give a count >= 0 (0: never escalate).")
+            raise InputError(f"max_skips={max_skips!r}: give a count >= 0 (0: never escalate).")
         devices = list(jax.devices() if devices is None else devices)
         if not devices:
-            raise ShardkitError("devices=[]: give at least one device (default: all of jax.devices()).")
+            raise InputError("devices=[]: give at least one device (default: all of jax.devices()).")
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.precision, self.microbatches, self.nonfinite = as_precision(precision), microbatches, nonfinite
         self.max_skips, self.skipped_in_a_row = max_skips, 0
@@ -263,7 +263,7 @@ class Trainer:
             except ValueError as e:
                 if self.layout.explicit or "mesh context" not in str(e):
                     raise
-                raise ShardkitError(
+                raise LayoutError(
                     f"Model {self.model.name} shards by type (jax.sharding.reshard or out_sharding= with a bare "
                     f"PartitionSpec), which needs Explicit mesh axes, but layout {self.layout.spec()} has Auto axes. "
                     "Fix: mark the layout's axes explicit, e.g. 'fsdp=4:explicit,tensor=2'."
@@ -295,7 +295,7 @@ class Trainer:
             for the ``max_skips``-th skipped step in a row. Its ``.state`` is the last good state.
         """
         if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
-            raise ShardkitError(
+            raise InputError(
                 "This train state was donated to an earlier step (its buffers now hold the next state). "
                 "Fix: continue from the state that step returned: state, metrics = trainer.step(state, batch)."
             )
@@ -318,14 +318,14 @@ class Trainer:
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
         expected = jax.tree.leaves(self.state_shardings)
         if len(flat) != len(expected):
-            raise ShardkitError(
+            raise InputError(
                 f"This state has {len(flat)} arrays, this trainer's {len(expected)}: it belongs to another model or "
                 "optimizer. Fix: use the state from this trainer's init(), restore(), or step()."
             )
         for (path, leaf), sharding in zip(flat, expected, strict=True):
             have = getattr(leaf, "sharding", None)
             if isinstance(leaf, jax.Array) and have is not None and not have.is_equivalent_to(sharding, leaf.ndim):
-                raise ShardkitError(
+                raise LayoutError(
                     f"The state's {path_str(path)} is laid out as {short_repr(have)}, not as this trainer's layout "
                     f"{self.layout.spec()} expects. Fix: move it with jax.device_put(state, trainer.state_shardings), "
                     "or restore a checkpoint into this trainer."

@@ -11,6 +11,9 @@ sys.path.insert(0, str(EXAMPLES))
 
 sk.simulate_devices(8)
 
+# Scripts that the multi-process tests start as workers; --doctest-modules must not import them.
+collect_ignore = ["mp_worker.py", "launch_worker.py"]
+
 import jax
 import pytest
 

@@ -12,6 +12,7 @@ LAYERS = {
     0: {
         "_lazy",
         "errors",
+        "error_sites",
         "flags",
         "config",
         "devices",

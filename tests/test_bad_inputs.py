@@ -5,7 +5,7 @@ traceback, no silent result, no crash.
 Each case is ``(id, call, match)``: ``call`` must raise ``ShardkitError`` matching ``match``
 (a CLI case must return exit code 2 with ``shardkit: error: ...`` or argparse's usage error),
 while JAX's compile events for the step, the init and the checksums are watched and the test's
-directory must stay as it was. docs/errors.md lists the families.
+directory must stay as it was. docs/errors.md lists the error family and every raise site.
 """
 
 from __future__ import annotations

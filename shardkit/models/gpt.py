@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardkit.errors import ShardkitError, short_repr
+from shardkit.errors import ModelError, short_repr
 from shardkit.model import Model, from_nnx
 from shardkit.parallel.experts import MoE
 from shardkit.parallel.ring_attention import ring_attention
@@ -91,31 +91,31 @@ class GPTConfig:
         for name in ("vocab", "dim", "n_layers", "n_heads", "n_kv_heads", "mlp_dim", "max_seq"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ShardkitError(f"GPTConfig: {name}={value!r} must be a positive integer.")
+                raise ModelError(f"GPTConfig: {name}={value!r} must be a positive integer.")
         for name in ("param_dtype", "dtype"):
             value = getattr(self, name)
             if value is not None and not _is_float_dtype(value):
-                raise ShardkitError(
+                raise ModelError(
                     f"GPTConfig: {name}={value!r} is not a floating-point dtype; use 'float32' or 'bfloat16'."
                 )
         if self.dim % self.n_heads:
-            raise ShardkitError(f"GPTConfig: dim={self.dim} must divide by n_heads={self.n_heads}.")
+            raise ModelError(f"GPTConfig: dim={self.dim} must divide by n_heads={self.n_heads}.")
         if self.n_heads % self.n_kv_heads:
-            raise ShardkitError(
+            raise ModelError(
                 f"GPTConfig: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
                 "(each kv head serves a whole group of query heads)."
             )
         if self.remat not in REMAT_POLICIES:
-            raise ShardkitError(f"GPTConfig: remat={self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}.")
+            raise ModelError(f"GPTConfig: remat={self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}.")
         if not 0.0 <= self.dropout < 1.0:
-            raise ShardkitError(f"GPTConfig: dropout={self.dropout} must be in [0, 1).")
+            raise ModelError(f"GPTConfig: dropout={self.dropout} must be in [0, 1).")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
-            raise ShardkitError(
+            raise ModelError(
                 f"GPTConfig: top_k={self.top_k} experts per token out of n_experts={self.n_experts}; "
                 f"choose top_k between 1 and {self.n_experts}."
             )
         if self.n_experts and self.capacity_factor <= 0:
-            raise ShardkitError(
+            raise ModelError(
                 f"GPTConfig: capacity_factor={self.capacity_factor} must be > 0 (1.0: an even share of the "
                 "tokens per expert; 1.25 is usual)."
             )
@@ -130,14 +130,14 @@ class GPTConfig:
         ``llama2-7b``, ``llama2-13b``, ``llama2-70b``; mixtures of experts ``tiny-moe``,
         ``mixtral-8x7b``."""
         if name not in _PRESETS:
-            raise ShardkitError(
+            raise ModelError(
                 f"Unknown GPT preset {short_repr(name)}. Choose one of: {', '.join(_PRESETS)}, or pass your own "
                 "model factory ('package.module:function')."
             )
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - fields)
         if unknown:
-            raise ShardkitError(
+            raise ModelError(
                 f"GPTConfig.preset({name!r}) got unknown settings {unknown}; GPTConfig has {', '.join(sorted(fields))}."
             )
         return cls(**{**_PRESETS[name], **overrides})
@@ -175,7 +175,7 @@ class GPTConfig:
         return self.n_layers * per_layer + 2 * self.vocab * d + d
 
 
-def _param(rngs: nnx.Rngs, init: Any, shape: tuple[int, ...], names: tuple[str, ...], dtype: str) -> nnx.Param:
+def _param(rngs: nnx.Rngs, init: Any, shape: tuple[int, ...], names: tuple[str | None, ...], dtype: str) -> nnx.Param:
     return nnx.Param(logical(init, names)(rngs.params(), shape, jnp.dtype(dtype)))
 
 
@@ -247,7 +247,11 @@ class Attention(nnx.Module):
                 out = ring_attention(q, k, v, *context)  # (B, T, H, K), the sequence split over devices
             else:
                 out = jax.nn.dot_product_attention(
-                    q, k, v, is_causal=True, implementation=self.cfg.attention
+                    q,
+                    k,
+                    v,
+                    is_causal=True,
+                    implementation=self.cfg.attention,  # type: ignore[arg-type]  # checked in GPTConfig
                 )  # (B, T, H, K)
         out = constrain(out, ("batch", "seq", "heads", "kv"))
         with jax.named_scope("out_proj"):
@@ -280,6 +284,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.param_dtype, rngs)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.param_dtype, rngs)
+        self.mlp: MoE | SwiGLU
         if cfg.n_experts:
             self.mlp = MoE(cfg.dim, cfg.mlp_dim, cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.param_dtype, rngs)
         else:
@@ -292,8 +297,8 @@ class Block(nnx.Module):
         with jax.named_scope("attn"):
             x = x + _dropout(self.attn(self.attn_norm(x)), self.dropout, k1)  # (B, T, D)
         with jax.named_scope("mlp"):
-            out = self.mlp(self.mlp_norm(x))
-            out, aux = out if isinstance(out, tuple) else (out, jnp.zeros((), jnp.float32))
+            mixed = self.mlp(self.mlp_norm(x))
+            out, aux = mixed if isinstance(mixed, tuple) else (mixed, jnp.zeros((), jnp.float32))
             x = x + _dropout(out, self.dropout, k2)  # (B, T, D)
         return constrain(x, ("batch", "seq", "embed")), aux
 
@@ -327,7 +332,7 @@ class GPT(nnx.Module):
 
             self.blocks = make_blocks(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])  # type: ignore[assignment]
         self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, p, rngs)
         self.lm_head = _param(rngs, nnx.initializers.lecun_normal(), (cfg.dim, cfg.vocab), ("embed", "vocab"), p)
 
@@ -384,11 +389,12 @@ class GPT(nnx.Module):
 
             x, aux = run(x, self.blocks, keys)  # (B, T, D), (layers,)
         else:
-            aux = []
-            for i, block in enumerate(self.blocks):
+            per_layer = []
+            blocks: Any = self.blocks  # an nnx.List when unrolled
+            for i, block in enumerate(blocks):
                 x, layer_aux = _layer(block, x, None if keys is None else keys[i], cfg.remat, f"layer_{i}")
-                aux.append(layer_aux)
-            aux = jnp.stack(aux)  # (L,)
+                per_layer.append(layer_aux)
+            aux = jnp.stack(per_layer)  # (L,)
         return x, cfg.aux_loss_weight * aux.sum() / cfg.n_layers
 
     def head(self, x: jax.Array) -> jax.Array:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from shardkit.errors import PipelineError
 from shardkit.parallel.schedule import Phase, Schedule
 
 # (layer_params, shared_params, x_in, microbatch, virtual stage, index) -> (x_out, loss, count)
@@ -70,6 +71,8 @@ def pipeline_value_and_grad(
       gradients in float32, of the mean loss over the ``m`` microbatches.
 
     Example:
+      >>> import jax, jax.numpy as jnp, shardkit as sk
+      >>> from shardkit.parallel.schedule import make_schedule
       >>> def stage_loss(w, _, x, mb, stage, i):  # each stage multiplies by its weight
       ...     x = jnp.where(stage == 0, mb, x) * w[0]
       ...     return x, jnp.where(stage == 1, x.sum(), 0.0), jnp.int32(1)
@@ -82,7 +85,7 @@ def pipeline_value_and_grad(
     """
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     if dict(mesh.shape).get(axis) != p:
-        raise ValueError(f"schedule for {p} stages on a mesh whose {axis!r} axis has {dict(mesh.shape).get(axis)}")
+        raise PipelineError(f"schedule for {p} stages on a mesh whose {axis!r} axis has {dict(mesh.shape).get(axis)}")
     slots = schedule.stash
 
     def island(layers: Any, shared: Any, micro: Any) -> tuple[jax.Array, jax.Array, Any, Any]:

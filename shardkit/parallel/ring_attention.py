@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import LayoutError
 from shardkit.rules import Rules, entry_axes, resolve
 
 
@@ -85,7 +85,7 @@ def ring_attention(
     q_spec = resolve(("batch", "seq", "heads", "kv"), q.shape, rules, mesh_shape, what="ring attention q")
     kv_spec = resolve(("batch", "seq", "kv_heads", "kv"), k.shape, rules, mesh_shape, what="ring attention k/v")
     if entry_axes(q_spec[1]) != (axis,) or entry_axes(kv_spec[1]) != (axis,):
-        raise ShardkitError(
+        raise LayoutError(
             f"Ring attention needs the sequence dimension sharded over {axis!r} alone, but the rules give "
             f"q {q_spec} and k/v {kv_spec}. Map 'seq' to {axis!r} (sk.rules.sequence_parallel())."
         )

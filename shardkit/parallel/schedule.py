@@ -44,7 +44,7 @@ from collections.abc import Callable
 import numpy as np
 
 from shardkit.config import SCHEDULES
-from shardkit.errors import ShardkitError
+from shardkit.errors import PipelineError
 
 IDLE = -1
 
@@ -217,13 +217,13 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int
          0  F0         .
     """
     if name not in SCHEDULES:
-        raise ShardkitError(f"Unknown pipeline schedule {name!r}. Choose one of: {', '.join(SCHEDULES)}.")
+        raise PipelineError(f"Unknown pipeline schedule {name!r}. Choose one of: {', '.join(SCHEDULES)}.")
     for what, n in (("stages", stages), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ShardkitError(f"Pipeline {what} must be a positive integer, got {n!r}.")
+            raise PipelineError(f"Pipeline {what} must be a positive integer, got {n!r}.")
     p, m, v = stages, microbatches, virtual_stages
     if v > 1 and m % p:
-        raise ShardkitError(
+        raise PipelineError(
             f"Interleaved stages (virtual_stages={v}) send microbatches round the {p} stages in groups of {p}: "
             f"microbatches={m} must be a multiple of {p}."
         )

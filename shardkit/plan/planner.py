@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import LayoutError
 from shardkit.estimate import predict
 from shardkit.hardware import Hardware, get_hardware
 from shardkit.model_source import ModelSource, build_model, importable_name, is_factory_ref, load_factory
@@ -25,7 +25,9 @@ MAX_COMPILES_PER_LAYOUT = 3
 def plan_of(job: Candidate, budget: float, hw: Hardware, compute_dtype: str, unfinished: bool = False) -> Plan:
     """The table row of a compiled candidate: its first setting that fits, else its last."""
     est = job.estimate
-    common = dict(schedule=job.schedule, estimated_step_seconds=est.step_seconds, estimated_memory=est.memory_bytes)
+    common: dict[str, Any] = dict(
+        schedule=job.schedule, estimated_step_seconds=est.step_seconds, estimated_memory=est.memory_bytes
+    )
     if unfinished or not job.results:
         remat, mb = job.settings[0]
         note = "not compiled: interrupted" if unfinished else f"compile failed: {job.error}"
@@ -192,7 +194,7 @@ def plan(
     layouts = candidate_layouts(facts, devices, batch, question.hw, options, seq)
     pruned, candidates = price(question, layouts)
     if not pruned and not candidates:
-        raise ShardkitError(
+        raise LayoutError(
             f"No layout of {model_name} divides over {devices} devices with batch {batch}: choose a batch divisible by "
             "the device count, or another device count."
         )

@@ -26,7 +26,7 @@ import jax
 from jax._src import xla_bridge
 
 from shardkit.dryrun import DryRunConfig, _in_process, can_run_here
-from shardkit.errors import ShardkitError
+from shardkit.errors import ClusterError, ShardkitError
 from shardkit.model_source import factory_ref, is_factory_ref
 from shardkit.plan.search import Candidate, ModelFacts
 
@@ -67,7 +67,7 @@ class Workers:
             line = ""
         if not line:
             log.seek(0)
-            raise ShardkitError(f"A planner worker process ended unexpectedly:\n{log.read()[-2000:]}")
+            raise ClusterError(f"A planner worker process ended unexpectedly:\n{log.read()[-2000:]}")
         with self.lock:
             self.idle.append(i)
         return json.loads(line)
@@ -106,7 +106,8 @@ def compile_candidates(
         if not xla_bridge.backends_are_initialized():
             jax.config.update("jax_platforms", "cpu")
             jax.config.update("jax_num_cpu_devices", devices)
-        factory = (lambda: facts.model) if facts.model is not None else None
+        model = facts.model
+        factory = (lambda: model) if model is not None else None
         for job in pending:
             try:
                 for cfg in job.configs:
