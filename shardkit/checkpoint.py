@@ -26,114 +26,39 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import pathlib
-import re
 import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from shardkit.checkpoint_checks import (
+    MANIFEST,
+    CheckpointDamaged,
+    check_compatible,
+    check_run,
+    damaged,
+    fingerprint,
+    root_cause,
+    state_fingerprint,
+    verify_arrays,
+    verify_files,
+)
 from shardkit.checksums import array_checksums, file_digests
 from shardkit.dirlock import DirectoryLock
 from shardkit.errors import CheckpointError
-from shardkit.partition import path_str
+from shardkit.orbax_logs import TMP_MARK, quiet_closed_loops
 from shardkit.train import Trainer, TrainState
 
 _FORMAT = 2
-MANIFEST = "shardkit_files.json"
-_TMP_MARK = ".orbax-checkpoint-tmp"
 _ROOM_FACTOR = 1.2  # a save needs the state's bytes, plus metadata and some slack
-
-
-class _QuietOrbaxErrors(logging.Filter):
-    """Drops orbax's ERROR logs of a failed background save: :meth:`Checkpointer.save` and
-    :meth:`Checkpointer.wait` raise one error naming the cause instead of a traceback per thread."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
-
-
-logging.getLogger("absl").addFilter(_QuietOrbaxErrors())
-
-
-class _QuietAbandonedWrites(logging.Filter):
-    """Drops asyncio's "Task/Future exception was never retrieved" for the pending writes of a
-    failed save (orbax's write tasks into a checkpoint's temporary directory, garbage-collected
-    after the save failed and was reported once); any other unretrieved task is still logged."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        return not ("exception was never retrieved" in text and _TMP_MARK in text)
-
-
-logging.getLogger("asyncio").addFilter(_QuietAbandonedWrites())
-
-
-def _quiet_closed_loops(hook: Callable[[Any], None]) -> Callable[[Any], None]:
-    """An unraisable-exception hook that drops the "Event loop is closed" errors tensorstore's
-    callbacks raise after orbax closed the event loop of a failed save (one per pending write)."""
-
-    def quiet(unraisable: Any) -> None:
-        value = getattr(unraisable, "exc_value", None)
-        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-            return
-        hook(unraisable)
-
-    quiet.shardkit_quiet = True  # type: ignore[attr-defined]
-    return quiet
-
-
-class CheckpointDamaged(CheckpointError):
-    """A checkpoint's files or arrays do not match what was written (``.step``, ``.reason``)."""
-
-    def __init__(self, message: str, step: int, reason: str):
-        super().__init__(message)
-        self.step, self.reason = step, reason
-
-
-def _shapes(tree: Any) -> dict[str, list[Any]]:
-    return {
-        path_str(p): [list(leaf.shape), str(np.dtype(leaf.dtype))]
-        for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-    }
-
-
-def fingerprint(trainer: Trainer) -> dict[str, list[Any]]:
-    """``{parameter path: [shape, dtype]}`` of the trainer's stored parameters."""
-    return _shapes(trainer.abstract_state().params)
-
-
-def state_fingerprint(trainer: Trainer) -> dict[str, list[Any]]:
-    """``{path: [shape, dtype]}`` of every array of the train state (optimizer state included)."""
-    return _shapes(trainer.abstract_state())
-
-
-def _root_cause(error: BaseException) -> str:
-    """What the user can act on: the innermost OS error of a chain, or the OS error code that
-    tensorstore reports inside its message (``[os_error_code='28']``), else the error itself."""
-    seen, chain = set(), []
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    for e in chain:
-        if isinstance(e, OSError) and e.errno:
-            return f"OSError: [Errno {e.errno}] {os.strerror(e.errno)}"
-    for e in chain:
-        code = re.search(r"os_error_code='(\d+)'", str(e))
-        if code:
-            return f"OSError: [Errno {code.group(1)}] {os.strerror(int(code.group(1)))}"
-    text = str(error).splitlines()[0][:200] if str(error) else ""
-    return f"{type(error).__name__}: {text}"
 
 
 class Checkpointer:
@@ -203,7 +128,7 @@ class Checkpointer:
             probe.unlink()
         except OSError as e:
             raise CheckpointError(
-                f"Checkpoint directory {self.directory} is not writable ({_root_cause(e)}). "
+                f"Checkpoint directory {self.directory} is not writable ({root_cause(e)}). "
                 "Fix: choose a writable --checkpoint-dir, or fix its permissions or mount."
             ) from e
         need = _ROOM_FACTOR * sum(
@@ -216,10 +141,10 @@ class Checkpointer:
                 f"state needs about {need / 2**20:,.1f} MiB. Fix: free space, or choose another --checkpoint-dir."
             )
         if not getattr(sys.unraisablehook, "shardkit_quiet", False):
-            sys.unraisablehook = _quiet_closed_loops(sys.unraisablehook)
+            sys.unraisablehook = quiet_closed_loops(sys.unraisablehook)
         if jax.process_index() == 0:
             self._lock.acquire()
-            for leftover in self.directory.glob(f"*{_TMP_MARK}*"):  # we hold the lock: nobody is writing it
+            for leftover in self.directory.glob(f"*{TMP_MARK}*"):  # we hold the lock: nobody is writing it
                 shutil.rmtree(leftover, ignore_errors=True)
         self._prepared = True
 
@@ -305,13 +230,13 @@ class Checkpointer:
             self._opened = None  # opened again on next use
         deadline, quiet = time.monotonic() + 5.0, 0
         while quiet < 3 and time.monotonic() < deadline:  # empty three looks in a row: no late writer
-            leftovers = list(self.directory.glob(f"*{_TMP_MARK}*"))
+            leftovers = list(self.directory.glob(f"*{TMP_MARK}*"))
             for leftover in leftovers:
                 shutil.rmtree(leftover, ignore_errors=True)
             quiet = 0 if leftovers else quiet + 1
             time.sleep(0.05)
         raise CheckpointError(
-            f"Saving checkpoint step {step} in {self.directory} failed ({_root_cause(error)}). The partial "
+            f"Saving checkpoint step {step} in {self.directory} failed ({root_cause(error)}). The partial "
             f"save was removed; earlier checkpoints are intact (steps {self.steps()}). Fix: free space or "
             "make the directory writable, or choose another --checkpoint-dir; then resume."
         ) from error
@@ -350,7 +275,7 @@ class Checkpointer:
         try:
             return self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
         except Exception as e:  # orbax raises many kinds; all mean the same to the user
-            raise self._damaged(step, f"its record cannot be read ({_root_cause(e)})") from e
+            raise damaged(self.directory, self.steps(), step, f"its record cannot be read ({root_cause(e)})") from e
 
     def restore(
         self,
@@ -423,10 +348,10 @@ class Checkpointer:
         allow_schedule_change: bool,
         allow: Collection[str],
     ) -> tuple[TrainState, dict[str, Any]]:
-        self._verify_files(step)
+        verify_files(self.directory, self.steps(), step)
         record = self.record(step)
-        self._check_compatible(trainer, record, step, reset_optimizer)
-        self._check_run(record, step, run, allow_schedule_change, allow)
+        check_compatible(self.directory, trainer, record, step, reset_optimizer)
+        check_run(self.directory, record, step, run, allow_schedule_change, allow)
         target = trainer.abstract_state()
         try:
             if reset_optimizer:
@@ -435,8 +360,8 @@ class Checkpointer:
                 args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
                 state = self._manager.restore(step, args=args)["state"]
         except Exception as e:
-            raise self._damaged(step, f"its arrays cannot be read ({_root_cause(e)})") from e
-        self._verify_arrays(step, record, state, skip_optimizer=reset_optimizer)
+            raise damaged(self.directory, self.steps(), step, f"its arrays cannot be read ({root_cause(e)})") from e
+        verify_arrays(self.directory, self.steps(), step, record, state, skip_optimizer=reset_optimizer)
         return state, record
 
     def _restore_without_optimizer(self, trainer: Trainer, step: int, target: TrainState) -> TrainState:
@@ -459,44 +384,6 @@ class Checkpointer:
             master=master,
         )
 
-    # -- checks -------------------------------------------------------------------------------
-    def _damaged(self, step: int, reason: str) -> CheckpointDamaged:
-        others = [s for s in self.steps() if s != step]
-        return CheckpointDamaged(
-            f"Checkpoint step {step} in {self.directory} is damaged: {reason}. Restore another step "
-            f"(available: {others or 'none'}), or omit the step to restore the newest one that verifies.",
-            step,
-            reason,
-        )
-
-    def _verify_files(self, step: int) -> None:
-        folder = self.directory / str(step)
-        manifest = folder / MANIFEST
-        if not manifest.is_file():
-            return  # a save killed after its rename and before its digests: the array checksums still guard it
-        try:
-            expected = json.loads(manifest.read_text())
-        except (OSError, ValueError) as e:
-            raise self._damaged(step, f"its file list {MANIFEST} cannot be read ({_root_cause(e)})") from e
-        actual = file_digests(folder, skip=(MANIFEST,))
-        for name, digest in expected.items():
-            if name not in actual:
-                raise self._damaged(step, f"file {name} is missing")
-            if actual[name] != digest:
-                raise self._damaged(step, f"file {name} has crc32 {actual[name]}, written as {digest}")
-
-    def _verify_arrays(self, step: int, record: dict[str, Any], state: TrainState, skip_optimizer: bool) -> None:
-        expected = record.get("checksums")
-        if not expected:
-            return  # written by a shardkit without checksums
-        actual = array_checksums(state)
-        for path, digest in actual.items():
-            if skip_optimizer and path.startswith("opt_state"):
-                continue
-            if path in expected and expected[path] != digest:
-                reason = f"array {path} does not match its checksum ({digest}, written as {expected[path]})"
-                raise self._damaged(step, reason)
-
     def _check_step(self, step: int) -> None:
         self._manager  # noqa: B018 -- raises for a missing directory
         steps = self.steps()
@@ -504,77 +391,3 @@ class Checkpointer:
             raise CheckpointError(
                 f"No complete checkpoint for step {step} in {self.directory}; available steps: {steps or 'none'}."
             )
-
-    def _check_compatible(self, trainer: Trainer, record: dict[str, Any], step: int, reset_optimizer: bool) -> None:
-        saved, ours = record.get("params", {}), fingerprint(trainer)
-        if saved != ours:
-            raise CheckpointError(
-                f"Checkpoint step {step} in {self.directory} was written by another model "
-                f"({record.get('model')}, precision {record.get('precision')}) than {trainer.model.name} "
-                f"(precision {trainer.precision.name}): " + _tree_differences(saved, ours, "parameters") + ". "
-                "Restore it with the model configuration it was saved from, or start from a fresh directory."
-            )
-        saved_state = {k: v for k, v in record.get("state", {}).items() if k.startswith("opt_state")}
-        our_state = {k: v for k, v in state_fingerprint(trainer).items() if k.startswith("opt_state")}
-        if saved_state and saved_state != our_state and not reset_optimizer:
-            optimizer = record.get("run", {}).get("schedule", {}).get("optimizer")
-            raise CheckpointError(
-                f"Checkpoint step {step} in {self.directory} holds the state of another optimizer"
-                + (f" ({optimizer})" if optimizer else "")
-                + ": "
-                + _tree_differences(saved_state, our_state, "optimizer arrays")
-                + ". The checkpoint itself is fine. Fix: resume with the optimizer it was saved with"
-                + (f" (--optimizer {optimizer})" if optimizer else "")
-                + ", or keep its parameters and start a fresh optimizer state with --reset-optimizer "
-                "(API: restore(..., reset_optimizer=True))."
-            )
-
-    def _check_run(
-        self,
-        record: dict[str, Any],
-        step: int,
-        run: Mapping[str, Mapping[str, Any]] | None,
-        allow_schedule_change: bool,
-        allow: Collection[str] = (),
-    ) -> None:
-        saved = record.get("run") or {}
-        if run is None or not saved:
-            return
-        for group in ("data", "schedule"):
-            if group == "schedule" and allow_schedule_change:
-                continue
-            old, new = saved.get(group, {}), dict(run.get(group, {}))
-            allowed = {a.replace("-", "_") for a in allow}
-            allowed |= {"data_tokens"} if "data" in allowed else set()  # the source's size goes with it
-            changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in allowed]
-            if not changed:
-                continue
-            diffs = ", ".join(f"--{k.replace('_', '-')} {old.get(k)} (now {new.get(k)})" for k in changed)
-            same = " ".join(f"--{k.replace('_', '-')} {old.get(k)}" for k in changed if old.get(k) is not None)
-            if group == "data":
-                fix = (
-                    f"resume with the same settings ({same}), or start a new run in a fresh --checkpoint-dir: "
-                    "these settings decide which batches the remaining steps read"
-                )
-            else:
-                fix = (
-                    f"resume with the same settings ({same}), or pass --allow-schedule-change (API: "
-                    "allow_schedule_change=True) to continue the saved state under the new schedule"
-                )
-            raise CheckpointError(
-                f"Checkpoint step {step} in {self.directory} was saved by a run with {diffs}. Fix: {fix}."
-            )
-
-
-def _tree_differences(saved: dict[str, Any], ours: dict[str, Any], what: str) -> str:
-    missing = sorted(set(ours) - set(saved))[:3]
-    extra = sorted(set(saved) - set(ours))[:3]
-    changed = [p for p in sorted(set(ours) & set(saved)) if ours[p] != saved[p]][:3]
-    details = []
-    if missing:
-        details.append(f"{what} not in the checkpoint: {missing}")
-    if extra:
-        details.append(f"{what} only in the checkpoint: {extra}")
-    for p in changed:
-        details.append(f"{p}: checkpoint {saved[p][0]} {saved[p][1]}, now {ours[p][0]} {ours[p][1]}")
-    return "; ".join(details)

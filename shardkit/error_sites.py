@@ -23,6 +23,7 @@ PACKAGE = pathlib.Path(__file__).parent
 NOT_BAD_INPUT = {
     "AssertionError": "an internal invariant (a pipeline schedule's timing rules)",
     "AttributeError": "the module __getattr__ protocol of the lazy namespace",
+    "KeyError": 'the Mapping protocol of a plan\'s result (result["best"])',
     "SystemExit": "the command line's exit code after Ctrl-C",
     "ValueError": "a converter argparse calls, which turns it into a usage error",
     "PlanInterrupted": "Ctrl-C during a plan, carrying the partial result",

@@ -13,10 +13,12 @@ which the devices of one group differ.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from jax.sharding import Mesh
@@ -172,33 +174,121 @@ def _executions(lines: Sequence[str]) -> dict[str, int]:
     return {name: runs(name) for name in {*callers, entry}}
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective instruction in a compiled module's text (``compiled.as_text()``)."""
+_ANY_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+(?P<opcode>[a-z][\w\-]*)\(")
+_REFERENCE = re.compile(r"%([\w.\-]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One instruction of a compiled module.
+
+    Attributes:
+      name: its HLO name (``all-reduce.48``).
+      computation: the computation it belongs to.
+      shape: its result shape text (``f32[4,32]{1,0}``, or a tuple of them).
+      opcode: ``dot``, ``all-reduce``, ``custom-call``, ``while``, ...
+      references: names it refers to after the ``=``: operands and called computations.
+      line: the instruction's text.
+    """
+
+    name: str
+    computation: str
+    shape: str
+    opcode: str
+    references: tuple[str, ...]
+    line: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A compiled module, parsed once: its instructions in order, and how many times each
+    computation runs per execution of the entry computation (loop trip counts multiplied out)."""
+
+    instructions: tuple[Instruction, ...]
+    executions: dict[str, int]
+    computations: int
+
+    def runs(self, instruction: Instruction) -> int:
+        """How many times one execution of the module runs ``instruction``."""
+        return self.executions.get(instruction.computation, 1)
+
+
+@functools.lru_cache(maxsize=8)
+def parse(hlo_text: str) -> Program:
+    """The typed view of ``compiled.as_text()`` that every figure of the report is read from.
+
+    Raises:
+      HloFormatError: text in which neither a computation nor an instruction is recognised.
+    """
     lines = hlo_text.splitlines()
-    runs = _executions(lines)
-    out, current = [], ""
+    instructions, current, computations = [], "", 0
     for line in lines:
         if c := _COMPUTATION.match(line):
-            current = c["name"]
+            current, computations = c["name"], computations + 1
             continue
-        m = _INSTRUCTION.match(line)
+        if m := _ANY_INSTRUCTION.match(line):
+            refs = tuple(_REFERENCE.findall(line[m.end("shape") :]))
+            instructions.append(Instruction(m["name"], current, m["shape"], m["opcode"], refs, line))
+    if any(line.strip() for line in lines) and not computations and not instructions:
+        raise HloFormatError("No HLO computation found in the text: is it compiled.as_text() of an XLA module?")
+    return Program(tuple(instructions), _executions(lines), computations)
+
+
+def _program(hlo: str | Program) -> Program:
+    return hlo if isinstance(hlo, Program) else parse(hlo)
+
+
+def collectives(hlo: str | Program) -> list[Collective]:
+    """Every collective instruction of a compiled module (its text, ``compiled.as_text()``, or
+    its :func:`parse`-d program)."""
+    program = _program(hlo)
+    out = []
+    for ins in program.instructions:
+        m = _INSTRUCTION.match(ins.line) if ins.opcode.removesuffix("-start") in COLLECTIVE_KINDS else None
         if not m:
             continue
         kind = m["kind"]
-        op = _OP_NAME.search(line)
+        op = _OP_NAME.search(ins.line)
         out.append(
             Collective(
                 kind=kind,
                 name=m["name"],
                 payload_bytes=_shape_bytes(m["shape"], kind, bool(m["start"])),
-                groups=_groups(line, kind),
+                groups=_groups(ins.line, kind),
                 op_name=op["op"] if op else "",
-                line=line.strip(),
-                executions=runs.get(current, 1),
+                line=ins.line.strip(),
+                executions=program.runs(ins),
                 shapes=tuple(tuple(int(x) for x in a["dims"].split(",") if x) for a in _ARRAY.finditer(m["shape"])),
             )
         )
     return out
+
+
+def sliced_results(hlo: str | Program) -> tuple[set[str], set[str]]:
+    """Instructions some result (tuple element) of which feeds a per-device slice, and those
+    whose results are written into a per-layer slot of a stacked buffer (a scanned layer).
+
+    On CPU a reduce-scatter is lowered as an all-reduce followed by a dynamic-slice by
+    partition-id; inside a layer scan the slice happens after the loop, on the stacked gradient.
+    """
+    users: dict[str, list[Instruction]] = collections.defaultdict(list)
+    elements: dict[str, str] = {}
+    for ins in _program(hlo).instructions:
+        if ins.opcode == "get-tuple-element":
+            elements[ins.name] = ins.references[0] if ins.references else ""
+        for used in ins.references:
+            users[used].append(ins)
+
+    def sources_with_a_user(test: Callable[[Instruction], bool]) -> set[str]:
+        return {elements.get(name, name) for name, found in users.items() if any(test(u) for u in found)}
+
+    # A per-device slice of the reduced result, even if the full result also feeds something
+    # (CPU computes the gradient norm from it), marks the reduce-scatter pattern.
+    # The text of the user, not its opcode: on CPU the slice is often inside a fusion whose name
+    # or called computation says so.
+    sliced = sources_with_a_user(lambda u: "partition-id" in u.line or "dynamic-slice" in u.line)
+    stacked = sources_with_a_user(lambda u: "dynamic-update-slice" in u.line)
+    return sliced, stacked
 
 
 _DOT = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\S+)\s+dot\(%(?P<lhs>[\w.\-]+),")
@@ -223,7 +313,7 @@ class HloFormatError(AnalysisError):
     be wrong, not zero)."""
 
 
-def dot_flops(hlo_text: str) -> float:
+def dot_flops(hlo: str | Program) -> float:
     """FLOPs of every matmul one execution of the module runs on one device.
 
     ``2 * prod(result dims) * prod(contracted dims)`` per ``dot`` and per GPU library matmul
@@ -235,33 +325,27 @@ def dot_flops(hlo_text: str) -> float:
       HloFormatError: when the text has matmuls or loops but none is understood (a changed
         text format), instead of returning a silent 0 or counting loops once.
     """
-    lines = hlo_text.splitlines()
-    runs = _executions(lines)
-    shapes: dict[str, list[int]] = {}
-    total, current, seen_computation, matmuls = 0.0, "", False, 0
-    for line in lines:
-        if c := _COMPUTATION.match(line):
-            current, shapes, seen_computation = c["name"], {}, True
+    program = _program(hlo)
+    shapes: dict[tuple[str, str], list[int]] = {}
+    total, matmuls, unread = 0.0, 0, 0
+    for ins in program.instructions:
+        shapes[ins.computation, ins.name] = _dims(ins.shape)
+        library = ins.opcode == "custom-call" and ("__cublas" in ins.line or "__hipblas" in ins.line)
+        if ins.opcode != "dot" and not library:
             continue
-        if d := _DEFINITION.match(line):
-            shapes[d["name"]] = _dims(d["shape"])
-        m = _DOT.match(line)
-        contracting = _CONTRACTING.search(line) if m else None
-        if m is None and (m := _GEMM_CALL.match(line)):
-            contracting = _GEMM_CONTRACTING.search(line)
-        if m is None:
-            continue
-        lhs = shapes.get(m["lhs"])
-        if lhs is None or contracting is None:
+        contracting = (_CONTRACTING if ins.opcode == "dot" else _GEMM_CONTRACTING).search(ins.line)
+        lhs = shapes.get((ins.computation, ins.references[0])) if ins.references else None
+        if lhs is None or contracting is None or (library and not _GEMM_CALL.match(ins.line)):
+            unread += 1
             continue
         k = math.prod(lhs[int(i.strip().strip('"'))] for i in contracting["dims"].split(",") if i.strip())
-        total += 2.0 * math.prod(_dims(m["shape"])) * k * runs.get(current, 1)
+        total += 2.0 * math.prod(_dims(ins.shape)) * k * program.runs(ins)
         matmuls += 1
-    if not seen_computation and lines:
-        raise HloFormatError("No HLO computation found in the text: is it compiled.as_text() of an XLA module?")
-    if not matmuls and (" dot(" in hlo_text or "__cublas" in hlo_text or "__hipblas" in hlo_text):
+    text = hlo if isinstance(hlo, str) else ""
+    if not matmuls and (unread or " dot(" in text or "__cublas" in text or "__hipblas" in text):
         raise HloFormatError("The program has matmuls, but none could be read (has XLA's HLO text format changed?).")
-    if " while(" in hlo_text and "known_trip_count" not in hlo_text:
+    loops = [i for i in program.instructions if i.opcode == "while"]
+    if (loops or " while(" in text) and not any(_TRIP.search(i.line) for i in loops):
         raise HloFormatError("The program has loops, but no trip count could be read: loop bodies would count once.")
     return total
 
@@ -282,7 +366,7 @@ def mesh_axes_of(groups: Sequence[Sequence[int]], mesh: Mesh) -> tuple[str, ...]
     return tuple(mesh.axis_names[i] for i in sorted(varying))
 
 
-def count(hlo_text: str) -> dict[str, int]:
+def count(hlo: str | Program) -> dict[str, int]:
     """Number of collectives of each kind run by one step (loop trip counts included)."""
-    found = collectives(hlo_text)
+    found = collectives(hlo)
     return {k: sum(c.executions for c in found if c.kind == k) for k in COLLECTIVE_KINDS}

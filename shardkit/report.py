@@ -264,36 +264,6 @@ class Report:
         return "\n".join(lines)
 
 
-def _sliced_results(text: str) -> tuple[set[str], set[str]]:
-    """All-reduces some result (tuple element) of which feeds a per-device slice, and those
-    whose results are written into a per-layer slot of a stacked buffer (a scanned layer).
-
-    On CPU a reduce-scatter is lowered as an all-reduce followed by a dynamic-slice by
-    partition-id; inside a layer scan the slice happens after the loop, on the stacked gradient.
-    """
-    users: dict[str, list[str]] = collections.defaultdict(list)
-    elements: dict[str, str] = {}
-    ref = re.compile(r"%([\w.\-]+)")
-    for line in text.splitlines():
-        m = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=", line)
-        if not m:
-            continue
-        if " get-tuple-element(" in line:
-            src = re.findall(r"get-tuple-element\(%([\w.\-]+)\)", line)
-            elements[m.group(1)] = src[0] if src else ""
-        for used in ref.findall(line[m.end() :]):
-            users[used].append(line)
-
-    def sources_with_a_user(test: Any) -> set[str]:
-        return {elements.get(name, name) for name, lines in users.items() if any(test(u) for u in lines)}
-
-    # A per-device slice of the reduced result, even if the full result also feeds something
-    # (CPU computes the gradient norm from it), marks the reduce-scatter pattern.
-    sliced = sources_with_a_user(lambda u: "partition-id" in u or "dynamic-slice" in u)
-    stacked = sources_with_a_user(lambda u: "dynamic-update-slice" in u)
-    return sliced, stacked
-
-
 def collective_stats(
     text: str, mesh: jax.sharding.Mesh, param_specs: Any = None, param_shapes: Any = None
 ) -> list[CollectiveStat]:
@@ -304,7 +274,7 @@ def collective_stats(
     sliced per device (or stored per layer, to be sliced after the layer scan) is reported as
     the reduce-scatter it stands for.
     """
-    sliced, stacked = _sliced_results(text)
+    sliced, stacked = hlo.sliced_results(text)
     mesh_shape = dict(mesh.shape)
     host_of = [d.process_index for d in mesh.devices.flat]
     specs = (

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -134,6 +135,156 @@ def _halted(
     return NonFiniteError(text, error.state, error.step, error.parameter)
 
 
+@dataclasses.dataclass
+class _Loop:
+    """What the step loop leaves behind: the state, the losses, and how it ended."""
+
+    state: Any
+    losses: list[float] = dataclasses.field(default_factory=list)
+    skipped: list[int] = dataclasses.field(default_factory=list)
+    timed_seconds: float = 0.0
+    timed_steps: int = 0
+    stopped_after: int | None = None
+    signal: tuple[int, str | None] | None = None  # (number, name) of the signal that stopped it
+    last_batch: Any = None
+
+
+def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
+    """The dataset and the trainer of the main job, checked and described before any compile."""
+    if cfg.model not in GPTConfig.preset_names():
+        raise ModelError(f"--model {cfg.model!r} is not a preset; choose one of {', '.join(GPTConfig.preset_names())}.")
+    text = load_text(cfg.data) if cfg.data else None
+    dataset = TextDataset.from_bytes(text, cfg.seed) if text is not None else TextDataset.builtin(cfg.seed)
+    gpt_cfg = GPTConfig.preset(cfg.model, dropout=cfg.dropout, remat=cfg.remat)
+    if gpt_cfg.vocab < TextDataset.VOCAB:
+        raise ModelError(f"--model {cfg.model} has vocab {gpt_cfg.vocab} < 256 byte tokens.")
+    if cfg.seq > gpt_cfg.max_seq:
+        raise InputError(f"--seq {cfg.seq} exceeds the {cfg.model} model's max_seq={gpt_cfg.max_seq}.")
+    trainer = Trainer(
+        gpt_cfg.model(name=f"GPT-{cfg.model}"),
+        OPTIMIZERS[cfg.optimizer](cfg),
+        cfg.layout,
+        precision=cfg.precision,
+        microbatches=cfg.microbatches,
+        nonfinite=cfg.nonfinite,
+        max_skips=cfg.max_skips,
+        sequence_parallel=cfg.sequence_parallel,
+        schedule=cfg.schedule,
+        virtual_stages=cfg.virtual_stages,
+    )
+    print(
+        f"shardkit: {trainer.mesh.devices.size} {jax.devices()[0].platform} device(s), layout "
+        f"{trainer.layout.spec()}, model GPT-{cfg.model} ({gpt_cfg.num_params() / 1e6:.2f}M parameters), precision "
+        f"{cfg.precision}, batch {cfg.batch} x seq {cfg.seq}, {len(dataset.tokens):,} tokens of text",
+        file=out,
+    )
+    print(trainer.format_sharding_table(), file=out)
+    # The batch shape is known now: refuse one that does not split, before anything is compiled.
+    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), np.int32)
+    trainer.plan.check_microbatches({"tokens": tokens}, cfg.microbatches)
+    return dataset, trainer
+
+
+def _start_or_resume(
+    cfg: TrainConfig, trainer: Trainer, run: dict[str, dict[str, Any]], out: TextIO
+) -> tuple[Checkpointer | None, Any, int]:
+    """``(checkpointer or None, the first state, the first step)``: a fresh state, or the newest
+    checkpoint's (checked against this run's fingerprint)."""
+    ckpt = (
+        Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
+        if cfg.checkpoint_dir
+        else None
+    )
+    if ckpt is None:
+        return None, trainer.init(cfg.seed), 0
+    ckpt.prepare(trainer)  # writable, room for a checkpoint, locked: before any step is computed
+    if ckpt.latest_step() is None:
+        return ckpt, trainer.init(cfg.seed), 0
+    state, record = ckpt.restore(
+        trainer,
+        run=run,
+        reset_optimizer=cfg.reset_optimizer,
+        allow_schedule_change=cfg.allow_schedule_change,
+        allow=cfg.allow_change,
+    )
+    for warning in ckpt.warnings:
+        print(f"warning: {warning}", file=out)
+    first_step = record["data_position"]
+    print(f"resumed from {cfg.checkpoint_dir} at step {first_step} (saved under layout {record['layout']})", file=out)
+    return ckpt, state, first_step
+
+
+def _steps(
+    cfg: TrainConfig,
+    trainer: Trainer,
+    dataset: TextDataset,
+    start: tuple[Checkpointer | None, Any, int],
+    run: dict[str, dict[str, Any]],
+    bar: Progress | None,
+    out: TextIO,
+) -> _Loop:
+    """Run the steps from the first one to ``cfg.steps``: log, save, and stop politely on a signal."""
+    ckpt, state, first_step = start
+    loop, rows, step_tokens = _Loop(state), trainer.local_rows(cfg.batch), cfg.batch * cfg.seq
+    with contextlib.ExitStack() as stack:
+        stop = stack.enter_context(StopRequests())
+        log = None
+        if cfg.json_log and jax.process_index() == 0:  # one writer, whatever the process count
+            log = stack.enter_context(open_json_log(pathlib.Path(cfg.json_log), first_step))
+        for step in range(first_step, cfg.steps):
+            loop.last_batch = batch = trainer.shard_batch(dataset.batch(step, cfg.batch, cfg.seq, rows=rows))
+            began = time.perf_counter()
+            try:
+                loop.state, metrics = trainer.step(loop.state, batch)
+            except NonFiniteError as e:
+                raise _halted(e, trainer, ckpt, cfg, step, run, out) from None
+            loss = float(metrics["loss"])  # waits for the step
+            seconds = time.perf_counter() - began
+            if step > first_step:  # the first step includes the compile
+                loop.timed_seconds, loop.timed_steps = loop.timed_seconds + seconds, loop.timed_steps + 1
+            if "finite" in metrics and not bool(metrics["finite"]):
+                loop.skipped.append(step + 1)
+                print(f"step {step + 1}: loss {loss}: non-finite, not applied", file=out)
+            loop.losses.append(loss)
+            if log is not None:
+                grad_norm = float(metrics["grad_norm"])
+                record = {"step": step + 1, "loss": loss, "tokens_per_s": step_tokens / seconds}
+                log.write(json.dumps({**record, "grad_norm": grad_norm, "seconds": seconds}) + "\n")
+                log.flush()
+            if bar is not None:
+                bar.update(step + 1, loss, seconds)
+            stopping = stop.requested()
+            if ckpt is not None:
+                # Periodic saves run in the background; data_position is the next batch to read.
+                last = step + 1 == cfg.steps or stopping
+                ckpt.save(trainer, loop.state, data_position=step + 1, run=run, force=last)
+            if stopping:
+                loop.stopped_after, loop.signal = step + 1, (stop.received[0], stop.signal_name)
+                break
+    return loop
+
+
+def _summary(cfg: TrainConfig, trainer: Trainer, loop: _Loop, out: TextIO) -> float:
+    """Print the losses, speed, MFU and memory per device; return the tokens/s after the compile."""
+    losses, step_tokens, devices = loop.losses, cfg.batch * cfg.seq, trainer.mesh.devices.size
+    mean_tps = step_tokens * loop.timed_steps / loop.timed_seconds if loop.timed_steps else float("nan")
+    head, tail = losses[: min(10, len(losses))], losses[-min(10, len(losses)) :]
+    print(
+        f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} (mean of first/last 10 steps: "
+        f"{np.mean(head):.4f} -> {np.mean(tail):.4f}); {mean_tps:,.0f} tokens/s after compile",
+        file=out,
+    )
+    memory = trainer.compile(loop.last_batch).memory_analysis()
+    per_device = (memory.argument_size_in_bytes + memory.temp_size_in_bytes) / 2**20 if memory else float("nan")
+    print(
+        f"summary: {len(losses)} steps on {devices} {jax.devices()[0].platform} device(s), layout "
+        f"{trainer.layout.spec()}; {mean_tps:,.0f} tokens/s; {_mfu_text(trainer.model, cfg, mean_tps, devices)}; "
+        f"{per_device:,.1f} MiB per device (state + temporaries, from the compiled step)",
+        file=out,
+    )
+    return mean_tps
+
+
 def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) -> dict[str, Any]:
     """Train the reference GPT on the built-in corpus (or ``cfg.data``) and sample from it.
 
@@ -147,166 +298,51 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
     """
     if jax.process_index() != 0:  # several processes, one program: process 0 speaks for all
         out = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the run
-    if cfg.model not in GPTConfig.preset_names():
-        raise ModelError(f"--model {cfg.model!r} is not a preset; choose one of {', '.join(GPTConfig.preset_names())}.")
-    text = load_text(cfg.data) if cfg.data else None
-    dataset = TextDataset.from_bytes(text, cfg.seed) if text is not None else TextDataset.builtin(cfg.seed)
-    gpt_cfg = GPTConfig.preset(cfg.model, dropout=cfg.dropout, remat=cfg.remat)
-    if gpt_cfg.vocab < TextDataset.VOCAB:
-        raise ModelError(f"--model {cfg.model} has vocab {gpt_cfg.vocab} < 256 byte tokens.")
-    if cfg.seq > gpt_cfg.max_seq:
-        raise InputError(f"--seq {cfg.seq} exceeds the {cfg.model} model's max_seq={gpt_cfg.max_seq}.")
-    model = gpt_cfg.model(name=f"GPT-{cfg.model}")
-    trainer = Trainer(
-        model,
-        OPTIMIZERS[cfg.optimizer](cfg),
-        cfg.layout,
-        precision=cfg.precision,
-        microbatches=cfg.microbatches,
-        nonfinite=cfg.nonfinite,
-        max_skips=cfg.max_skips,
-        sequence_parallel=cfg.sequence_parallel,
-        schedule=cfg.schedule,
-        virtual_stages=cfg.virtual_stages,
-    )
-    devices = trainer.mesh.devices.size
-    print(
-        f"shardkit: {devices} {jax.devices()[0].platform} device(s), layout {trainer.layout.spec()}, "
-        f"model GPT-{cfg.model} ({gpt_cfg.num_params() / 1e6:.2f}M parameters), precision {cfg.precision}, "
-        f"batch {cfg.batch} x seq {cfg.seq}, {len(dataset.tokens):,} tokens of text",
-        file=out,
-    )
-    print(trainer.format_sharding_table(), file=out)
-
-    # The batch shape is known now: refuse one that does not split, before anything is compiled.
-    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), np.int32)
-    trainer.plan.check_microbatches({"tokens": tokens}, cfg.microbatches)
+    dataset, trainer = _trainer_for(cfg, out)
     if cfg.run_dir:  # everything is checked: now the run directory may be written
         cfg = run_dir.prepare(cfg)
-    ckpt = (
-        Checkpointer(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
-        if cfg.checkpoint_dir
-        else None
-    )
-    rows = trainer.local_rows(cfg.batch)
-    first_step = 0
     run = run_fingerprint(cfg, dataset)
-    if ckpt is not None:
-        ckpt.prepare(trainer)  # writable, room for a checkpoint, locked: before any step is computed
-    if ckpt is not None and ckpt.latest_step() is not None:
-        state, record = ckpt.restore(
-            trainer,
-            run=run,
-            reset_optimizer=cfg.reset_optimizer,
-            allow_schedule_change=cfg.allow_schedule_change,
-            allow=cfg.allow_change,
-        )
-        for warning in ckpt.warnings:
-            print(f"warning: {warning}", file=out)
-        first_step = record["data_position"]
-        print(
-            f"resumed from {cfg.checkpoint_dir} at step {first_step} (saved under layout {record['layout']})", file=out
-        )
-    else:
-        state = trainer.init(cfg.seed)
+    ckpt, _, first_step = start = _start_or_resume(cfg, trainer, run, out)
     bar = Progress(cfg.steps, cfg.batch * cfg.seq, first=first_step) if progress and jax.process_index() == 0 else None
     if bar is not None and first_step < cfg.steps:
         bar.note(f"compiling the train step ({trainer.layout.spec()}, batch {cfg.batch} x seq {cfg.seq})")
-    losses: list[float] = []
-    skipped: list[int] = []
-    step_tokens = cfg.batch * cfg.seq
-    timed_seconds, timed_steps = 0.0, 0
-    stopped_after: int | None = None
-    with contextlib.ExitStack() as stack:
-        stop = stack.enter_context(StopRequests())
-        log = None
-        if cfg.json_log and jax.process_index() == 0:  # one writer, whatever the process count
-            log = stack.enter_context(open_json_log(pathlib.Path(cfg.json_log), first_step))
-        for step in range(first_step, cfg.steps):
-            host_batch = dataset.batch(step, cfg.batch, cfg.seq, rows=rows)  # this process's rows only
-            batch = trainer.shard_batch(host_batch)
-            start = time.perf_counter()
-            try:
-                state, metrics = trainer.step(state, batch)
-            except NonFiniteError as e:
-                raise _halted(e, trainer, ckpt, cfg, step, run, out) from None
-            loss = float(metrics["loss"])  # waits for the step
-            seconds = time.perf_counter() - start
-            if step > first_step:  # the first step includes the compile
-                timed_seconds, timed_steps = timed_seconds + seconds, timed_steps + 1
-            if "finite" in metrics and not bool(metrics["finite"]):
-                skipped.append(step + 1)
-                print(f"step {step + 1}: loss {loss}: non-finite, not applied", file=out)
-            losses.append(loss)
-            tokens_per_s = step_tokens / seconds
-            if log is not None:
-                record = {
-                    "step": step + 1,
-                    "loss": loss,
-                    "tokens_per_s": tokens_per_s,
-                    "grad_norm": float(metrics["grad_norm"]),
-                    "seconds": seconds,
-                }
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-            if bar is not None:
-                bar.update(step + 1, loss, seconds)
-            stopping = stop.requested()
-            if ckpt is not None:
-                # Periodic saves run in the background; data_position is the next batch to read.
-                ckpt.save(trainer, state, data_position=step + 1, run=run, force=step + 1 == cfg.steps or stopping)
-            if stopping:
-                stopped_after = step + 1
-                break
-    if stopped_after is not None:
+    loop = _steps(cfg, trainer, dataset, start, run, bar, out)
+    devices, layout = trainer.mesh.devices.size, trainer.layout.spec()
+    if loop.stopped_after is not None and loop.signal is not None:
         if ckpt is not None:
             ckpt.close()
         how = (
-            f"checkpoint step {int(state.step)} saved in {cfg.checkpoint_dir}; run the same command to resume"
+            f"checkpoint step {int(loop.state.step)} saved in {cfg.checkpoint_dir}; run the same command to resume"
             if ckpt is not None
             else "nothing saved (no --checkpoint-dir)"
         )
-        print(f"stopped by {stop.signal_name} after step {stopped_after}: {how}", file=sys.stderr)
-        return {"losses": losses, "state": state, "trainer": trainer, "stopped_by": stop.received[0]}
+        print(f"stopped by {loop.signal[1]} after step {loop.stopped_after}: {how}", file=sys.stderr)
+        return {"losses": loop.losses, "state": loop.state, "trainer": trainer, "stopped_by": loop.signal[0]}
     if ckpt is not None:
         if first_step >= cfg.steps:
             print(f"checkpoint at step {first_step} already reaches --steps {cfg.steps}; nothing to train", file=out)
         ckpt.close()
         print(f"checkpoints in {cfg.checkpoint_dir}: steps {ckpt.steps()}", file=out)
-    if not losses:
-        return {"losses": [], "state": state, "trainer": trainer, "layout": trainer.layout.spec(), "devices": devices}
-    mean_tps = step_tokens * timed_steps / timed_seconds if timed_steps else float("nan")
-    head, tail = losses[: min(10, len(losses))], losses[-min(10, len(losses)) :]
-    print(
-        f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} (mean of first/last 10 steps: "
-        f"{np.mean(head):.4f} -> {np.mean(tail):.4f}); {mean_tps:,.0f} tokens/s after compile",
-        file=out,
-    )
-    memory = trainer.compile(batch).memory_analysis()
-    per_device = (memory.argument_size_in_bytes + memory.temp_size_in_bytes) / 2**20 if memory else float("nan")
-    print(
-        f"summary: {len(losses)} steps on {devices} {jax.devices()[0].platform} device(s), layout "
-        f"{trainer.layout.spec()}; {mean_tps:,.0f} tokens/s; {_mfu_text(model, cfg, mean_tps, devices)}; "
-        f"{per_device:,.1f} MiB per device (state + temporaries, from the compiled step)",
-        file=out,
-    )
+    if not loop.losses:
+        return {"losses": [], "state": loop.state, "trainer": trainer, "layout": layout, "devices": devices}
+    mean_tps = _summary(cfg, trainer, loop, out)
     sample = ""
     if cfg.sample_tokens > 0:
         if bar is not None:
             bar.note(f"sampling {cfg.sample_tokens} tokens")
         prompt = dataset.encode(cfg.prompt) if cfg.prompt else dataset.tokens[:1].astype(np.int32)
-        sampled = generate(model, state.params, prompt, cfg.sample_tokens, cfg.seq, seed=cfg.seed)
+        sampled = generate(trainer.model, loop.state.params, prompt, cfg.sample_tokens, cfg.seq, seed=cfg.seed)
         sample = dataset.decode(sampled)
         print("sample:\n" + sample, file=out)
     return {
-        "losses": losses,
-        "first_loss": losses[0],
-        "last_loss": losses[-1],
+        "losses": loop.losses,
+        "first_loss": loop.losses[0],
+        "last_loss": loop.losses[-1],
         "tokens_per_s": mean_tps,
         "sample": sample,
-        "layout": trainer.layout.spec(),
+        "layout": layout,
         "devices": devices,
-        "skipped_steps": skipped,
-        "state": state,
+        "skipped_steps": loop.skipped,
+        "state": loop.state,
         "trainer": trainer,
     }

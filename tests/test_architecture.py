@@ -13,6 +13,7 @@ LAYERS = {
         "_lazy",
         "errors",
         "error_sites",
+        "orbax_logs",
         "flags",
         "config",
         "devices",
@@ -45,7 +46,7 @@ LAYERS = {
         "checksums",
     },
     2: {"report"},
-    3: {"steps", "train", "checkpoint"},
+    3: {"steps", "train", "checkpoint", "checkpoint_checks"},
     4: {"dryrun", "plan", "run", "cli", "__init__"},
 }
 LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}

@@ -138,3 +138,17 @@ def test_unrecognised_text_is_an_error_not_zero():
         hlo.dot_flops(text.replace("lhs_contracting_dims", "lhs_contraction"))
     with pytest.raises(hlo.HloFormatError, match="no trip count"):
         hlo.dot_flops(text.replace("known_trip_count", "trip"))
+
+
+def test_the_program_is_parsed_once_into_typed_instructions():
+    text = (FIXTURES / "cpu_scan_matmul.hlo").read_text()
+    program = hlo.parse(text)
+    assert hlo.parse(text) is program  # the report's three readings share one parse
+    opcodes = {i.opcode for i in program.instructions}
+    assert {"dot", "while", "parameter"} <= opcodes
+    loop = next(i for i in program.instructions if i.opcode == "while")
+    body = loop.line.split("body=%")[1].split(",")[0].split()[0]
+    assert program.executions[body] > 1 and body in loop.references
+    dots = [i for i in program.instructions if i.opcode == "dot"]
+    assert dots and all(i.references and i.computation for i in dots)
+    assert hlo.dot_flops(program) == hlo.dot_flops(text) > 0

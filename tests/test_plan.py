@@ -42,6 +42,12 @@ def test_a_small_model_gets_pure_data_parallelism(cache):
     } <= set(top)
     # The best layout string is one `shardkit train` accepts.
     assert sk.Layout.parse(result["best"]).resolve(8).spec() == "data=8"
+    # Typed for code, the same facts as the JSON the command line prints.
+    from shardkit.plan import Plan, PlanResult
+
+    assert isinstance(result, PlanResult) and isinstance(result.plans[0], Plan)
+    assert result.best == "data=8" and result.plans[0].layout == "data=8" and result.plans[0].fits
+    assert json.loads(json.dumps(result.to_dict()))["plans"][0]["layout"] == result.best
 
 
 def test_a_model_that_does_not_fit_under_data_parallelism_gets_fsdp(cache):

@@ -26,7 +26,7 @@ here or in worker processes), :mod:`~shardkit.plan.planner` (``plan``), :mod:`~s
 (the printed table and ``shardkit plan``).
 """
 
-from shardkit.plan.options import Plan, PlanInterrupted, PlanOptions
+from shardkit.plan.options import Plan, PlanInterrupted, PlanOptions, PlanResult
 from shardkit.plan.planner import plan
 from shardkit.plan.search import ModelFacts, candidate_layouts
 from shardkit.plan.table import format_plans, options_from, parse_ints, run_cli
@@ -36,6 +36,7 @@ __all__ = [
     "Plan",
     "PlanInterrupted",
     "PlanOptions",
+    "PlanResult",
     "candidate_layouts",
     "format_plans",
     "options_from",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from shardkit.config import PlanOptions  # noqa: F401  (declared with the other configs; its home here)
@@ -40,10 +41,60 @@ class Plan:
         return flags + (f" --schedule {self.schedule}" if self.schedule else "")
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanResult(Mapping[str, Any]):
+    """The planner's answer: the question, the ranked :class:`Plan` rows and the best one.
+
+    Typed attributes for code; it also reads as the JSON-shaped mapping that ``shardkit plan
+    --json`` prints (``result["best"]``, ``result["plans"][0]["layout"]``), via :meth:`to_dict`.
+
+    Attributes:
+      best: the layout of the fastest compiled plan that fits, or None when none fits.
+      best_flags: the complete ``shardkit train`` flags of the best plan, or None.
+      plans: every layout searched, ranked (compiled ones first, by predicted step time).
+      memory_budget: bytes per device a plan may use (the device's memory times the headroom).
+      searched, compiled: layouts enumerated, and compiled.
+      seconds: the search's wall time; interrupted: stopped by Ctrl-C (a partial table).
+    """
+
+    model: str
+    devices: int
+    hardware: str
+    batch: int
+    seq: int
+    precision: str
+    memory_budget: float
+    searched: int
+    compiled: int
+    interrupted: bool
+    seconds: float
+    best: str | None
+    best_flags: str | None
+    plans: tuple[Plan, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (plans as dicts)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**out, "plans": [dataclasses.asdict(p) for p in self.plans]}
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "plans":
+            return [dataclasses.asdict(p) for p in self.plans]
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.__dataclass_fields__)
+
+    def __len__(self) -> int:
+        return len(self.__dataclass_fields__)
+
+
 class PlanInterrupted(KeyboardInterrupt):
     """Ctrl-C during a plan; ``result`` holds the plans compiled so far."""
 
-    def __init__(self, result: dict[str, Any]):
+    def __init__(self, result: PlanResult):
         super().__init__("plan interrupted")
         self.result = result
 

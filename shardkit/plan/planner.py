@@ -14,7 +14,7 @@ from shardkit.estimate import predict
 from shardkit.hardware import Hardware, get_hardware
 from shardkit.model_source import ModelSource, build_model, importable_name, is_factory_ref, load_factory
 from shardkit.plan.cache import DryRunCache
-from shardkit.plan.options import Plan, PlanInterrupted, PlanOptions, size_text
+from shardkit.plan.options import Plan, PlanInterrupted, PlanOptions, PlanResult, size_text
 from shardkit.plan.search import Candidate, ModelFacts, Question, candidate_layouts, price
 from shardkit.plan.workers import compile_candidates
 
@@ -122,8 +122,8 @@ def _result(
     compiled: int,
     seconds: float,
     interrupted: bool = False,
-) -> dict[str, Any]:
-    """The answer as a dict: the ranked rows, the best one and its complete ``shardkit train`` flags."""
+) -> PlanResult:
+    """The answer: the ranked rows, the best one and its complete ``shardkit train`` flags."""
     ranked = rank(rows)
     best = ranked[0] if ranked and ranked[0].compiled and ranked[0].fits else None
     precision = question.precision.name
@@ -131,22 +131,22 @@ def _result(
     if best:
         flags = f"--model {question.model_name} --batch {question.batch} --seq {question.seq} {best.cli_flags()} "
         flags += f"--precision {precision}"
-    return {
-        "model": question.model_name,
-        "devices": question.devices,
-        "hardware": question.hw.name,
-        "batch": question.batch,
-        "seq": question.seq,
-        "precision": precision,
-        "memory_budget": question.budget,
-        "searched": searched,
-        "compiled": compiled,
-        "interrupted": interrupted,
-        "seconds": seconds,
-        "best": best.layout if best else None,
-        "best_flags": flags,
-        "plans": [dataclasses.asdict(p) for p in ranked],
-    }
+    return PlanResult(
+        model=question.model_name,
+        devices=question.devices,
+        hardware=question.hw.name,
+        batch=question.batch,
+        seq=question.seq,
+        precision=precision,
+        memory_budget=question.budget,
+        searched=searched,
+        compiled=compiled,
+        interrupted=interrupted,
+        seconds=seconds,
+        best=best.layout if best else None,
+        best_flags=flags,
+        plans=tuple(ranked),
+    )
 
 
 def plan(
@@ -159,7 +159,7 @@ def plan(
     *,
     cache_dir: str | pathlib.Path | None = None,
     progress: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
+) -> PlanResult:
     """Rank the layouts of ``model`` on ``devices`` devices of ``hardware``.
 
     Every layout is priced analytically; the fastest ``options.compile_top`` are compiled (in
@@ -176,8 +176,9 @@ def plan(
       progress: called with a line of text for each step of the search ("k of N").
 
     Returns:
-      ``{"best": layout string or None, "best_flags": CLI flags, "plans": [plan dicts, ranked],
-      "searched", "compiled", "hardware", "model", "devices", "batch", "seq", "seconds"}``.
+      A :class:`~shardkit.plan.options.PlanResult`: ``.best`` (a layout string or None),
+      ``.best_flags``, ``.plans`` (ranked :class:`Plan` rows) and the question; it also reads as
+      the JSON-shaped dict ``shardkit plan --json`` prints (``result["best"]``).
 
     Raises:
       PlanInterrupted: on Ctrl-C, with the plans compiled so far in ``.result``.
@@ -222,7 +223,7 @@ def plan(
             f"(estimate {job.estimate.step_seconds:.3f} s)"
         )
 
-    def answer(interrupted: bool = False) -> dict[str, Any]:
+    def answer(interrupted: bool = False) -> PlanResult:
         rows_now = rows + [plan_of(c, budget, hw, dtype, unfinished=c not in finished) for c in chosen]
         return _result(question, rows_now, len(layouts), len(finished), time.perf_counter() - start, interrupted)
 

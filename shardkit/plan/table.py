@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from shardkit.errors import InputError
@@ -12,7 +13,7 @@ from shardkit.plan.options import PlanInterrupted, PlanOptions, size_text
 from shardkit.plan.planner import plan
 
 
-def format_plans(result: dict[str, Any], top: int = 15) -> str:
+def format_plans(result: Mapping[str, Any], top: int = 15) -> str:
     """The ranked plans as a table, and the best plan's complete ``shardkit train`` command.
 
     Compiled plans show the step time their compiled program predicts; the others show the
@@ -86,6 +87,6 @@ def run_cli(args: Any) -> None:
             progress=lambda m: print(m, file=stream, flush=True),
         )
     except PlanInterrupted as stop:
-        print(json.dumps(stop.result) if args.json else format_plans(stop.result), flush=True)
+        print(json.dumps(stop.result.to_dict()) if args.json else format_plans(stop.result), flush=True)
         raise SystemExit(130) from None
-    print(json.dumps(result) if args.json else format_plans(result))
+    print(json.dumps(result.to_dict()) if args.json else format_plans(result))
