@@ -109,15 +109,9 @@ def initialize(
         coordinator could not be reached in time.
     """
     heartbeat_timeout_s = _int(os.environ, "SHARDKIT_HEARTBEAT_S") or heartbeat_timeout_s
-    spec = detect()
-    if coordinator_address or num_processes or process_id is not None:
-        spec = ClusterSpec("arguments", coordinator_address, num_processes, process_id, local_devices)
-    elif spec is not None and local_devices is not None:
-        spec = dataclasses.replace(spec, local_devices=local_devices)
+    spec = _cluster_of(coordinator_address, num_processes, process_id, local_devices)
     if spec is None or spec.num_processes == 1:
         return None
-    if spec.num_processes is not None and spec.process_id is not None and not 0 <= spec.process_id < spec.num_processes:
-        raise ClusterError(f"Process id {spec.process_id} is outside 0..{spec.num_processes - 1}.")
     if jax_distributed.global_state.client is not None:  # already joined: the second call is harmless
         if jax.process_count() != spec.num_processes or (
             spec.process_id is not None and jax.process_index() != spec.process_id
@@ -127,6 +121,28 @@ def initialize(
                 f"{jax.process_count()}, not {spec.process_id} of {spec.num_processes}. Call initialize once."
             )
         return spec
+    _join(spec, timeout_s, heartbeat_timeout_s)
+    return spec
+
+
+def _cluster_of(
+    coordinator_address: str | None, num_processes: int | None, process_id: int | None, local_devices: int | None
+) -> ClusterSpec | None:
+    """The job this process belongs to: from the arguments when given, else from the launcher's
+    environment; None when nothing says there are other processes."""
+    spec = detect()
+    if coordinator_address or num_processes or process_id is not None:
+        spec = ClusterSpec("arguments", coordinator_address, num_processes, process_id, local_devices)
+    elif spec is not None and local_devices is not None:
+        spec = dataclasses.replace(spec, local_devices=local_devices)
+    n, rank = (spec.num_processes, spec.process_id) if spec is not None else (None, None)
+    if n is not None and rank is not None and not 0 <= rank < n:
+        raise ClusterError(f"Process id {rank} is outside 0..{n - 1}.")
+    return spec
+
+
+def _join(spec: ClusterSpec, timeout_s: int, heartbeat_timeout_s: int) -> None:
+    """Start JAX's multi-controller runtime for ``spec``, with errors a user can read."""
     if xla_bridge.backends_are_initialized():
         raise ClusterError(
             "shardkit.distributed.initialize() must run before JAX starts its backend (before any array or "
@@ -169,7 +185,6 @@ def initialize(
             f"the coordinator at {spec.coordinator} runs a job of {jax.process_count()} processes. Fix: start every "
             "process with the same process count."
         )
-    return spec
 
 
 def _check_port_free(address: str) -> None:

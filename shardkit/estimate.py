@@ -145,6 +145,79 @@ def _ring(kind: str, size: float, n: int) -> float:
     return (2 if kind == "all-reduce" else 1) * (n - 1) / n * size
 
 
+def _tokens_per_microbatch(shape: dict[str, int], batch: int, seq: int, microbatches: int) -> float:
+    """Tokens one device sees per microbatch (rows split over data, fsdp and expert; the sequence
+    over sequence)."""
+    rows_split = shape.get("data", 1) * shape.get("fsdp", 1) * shape.get("expert", 1)
+    return batch * seq / (rows_split * shape.get("sequence", 1) * microbatches)
+
+
+def _activation_bytes(
+    sizes: ModelSizes,
+    shape: dict[str, int],
+    batch: int,
+    seq: int,
+    c: int,
+    remat: str,
+    mb: int,
+    schedule: str | None,
+) -> float:
+    """Activations a device keeps for the backward pass (Korthikanti et al. 2022, tensor
+    parallelism without sequence parallelism), with the pipeline's microbatches in flight."""
+    if not sizes.dim:
+        return 0.0
+    t, sq, p = shape.get("tensor", 1), shape.get("sequence", 1), shape.get("stage", 1)
+    tokens_mb = _tokens_per_microbatch(shape, batch, seq, mb)
+    heads = sizes.heads or max(1, sizes.dim // 128)
+    full = tokens_mb * sizes.dim * (10 + 24 / t + 5 * heads * (seq / sq) / (sizes.dim * t)) * c / 2
+    kept = {"none": full, "full": tokens_mb * sizes.dim * c}.get(remat, full / 2)
+    in_flight = 1 if p == 1 else (mb if schedule == "gpipe" else min(p, mb))
+    activations = in_flight * sizes.layers / p * kept + (full if remat != "none" else 0.0)
+    activations += tokens_mb * sizes.vocab / t * (c + 8)  # logits, their fp32 softmax and gradient
+    return activations * ACTIVATION_OVERHEAD
+
+
+def _flops_per_device(sizes: ModelSizes, shape: dict[str, int], batch: int, seq: int, remat: str, mb: int) -> float:
+    """Model FLOPs split over every device, with recomputation and the pipeline's idle slots."""
+    matmul = float(sizes.matmul_params or sizes.params)
+    if sizes.experts and sizes.top_k:
+        matmul -= sizes.expert_params * (1 - sizes.top_k / sizes.experts)
+    flops = batch * seq * (6 * matmul + 12 * sizes.layers * sizes.dim * seq) / math.prod(shape.values())
+    return flops * REMAT_COMPUTE.get(remat, 1.2) * (1 + (shape.get("stage", 1) - 1) / mb)
+
+
+def _moved_bytes(
+    sizes: ModelSizes,
+    shape: dict[str, int],
+    batch: int,
+    seq: int,
+    held: float,
+    c: int,
+    comm_itemsize: int | None,
+    remat: str,
+    mb: int,
+) -> dict[str, float]:
+    """Bytes each mesh axis moves per device in one step (axes that move nothing left out)."""
+    d, f, t = shape.get("data", 1), shape.get("fsdp", 1), shape.get("tensor", 1)
+    sq, p, e = shape.get("sequence", 1), shape.get("stage", 1), shape.get("expert", 1)
+    param_bytes = held * f * (comm_itemsize or c)  # this device's tensor/stage/expert share, gathered over fsdp
+    tokens_mb = _tokens_per_microbatch(shape, batch, seq, mb)
+    tokens, layers_here = tokens_mb * mb, sizes.layers / p
+    gathers = 3 + (remat != "none")  # forward, backward (and the recomputed forward), reduce-scatter
+    moved = {
+        "fsdp": gathers * _ring("all-gather", param_bytes, f) * mb,
+        "data": _ring("all-reduce", param_bytes / f, d) * mb,
+        "tensor": 4 * layers_here * _ring("all-reduce", tokens * sizes.dim * c, t),
+        # Ring attention: K and V go round the ring forward; K, V and their gradients backward.
+        "sequence": 6 * layers_here * (sq - 1) * tokens * (sizes.kv_dim or sizes.dim) / t * c if sq > 1 else 0.0,
+        # Lock-step stages send a microbatch's activation (and its gradient back) every slot.
+        "stage": 2 * (mb + p - 1) * tokens_mb * sizes.dim * c if p > 1 else 0.0,
+        # Dispatch and combine, forward and backward, of the routed tokens (capacity 1.25).
+        "expert": 4 * sizes.layers * _ring("all-to-all", tokens * sizes.dim * c * max(sizes.top_k, 1) * 1.25, e),
+    }
+    return {axis: b for axis, b in moved.items() if b}
+
+
 def analytic(
     sizes: ModelSizes,
     shape: dict[str, int],
@@ -186,54 +259,15 @@ def analytic(
       >>> round(e.state_bytes / 1e9, 2)   # 14 bytes per parameter over 8 devices
       12.25
     """
-    d, f, t = shape.get("data", 1), shape.get("fsdp", 1), shape.get("tensor", 1)
-    sq, p, e = shape.get("sequence", 1), shape.get("stage", 1), shape.get("expert", 1)
-    n = math.prod(shape.values())
-    c = compute_itemsize
-    mb = microbatches
+    f, t, p, e = (shape.get(axis, 1) for axis in ("fsdp", "tensor", "stage", "expert"))
     dense = sizes.params - sizes.expert_params
     held = dense / (f * t * p) + sizes.expert_params / (f * t * p * e)  # parameters a device holds
     state = held * STATE_BYTES_PER_PARAM[precision]
     grads = held * GRAD_BYTES_PER_PARAM[precision]
-
-    # Activations (Korthikanti et al. 2022, tensor parallelism without sequence parallelism).
-    rows_split = d * f * e
-    tokens_mb = batch * seq / (rows_split * sq * mb)  # tokens one device sees per microbatch
-    layers_here = sizes.layers / p
-    activations = 0.0
-    if sizes.dim:
-        heads = sizes.heads or max(1, sizes.dim // 128)
-        full = tokens_mb * sizes.dim * (10 + 24 / t + 5 * heads * (seq / sq) / (sizes.dim * t)) * c / 2
-        kept = {"none": full, "full": tokens_mb * sizes.dim * c}.get(remat, full / 2)
-        in_flight = 1 if p == 1 else (mb if schedule == "gpipe" else min(p, mb))
-        activations = in_flight * layers_here * kept + (full if remat != "none" else 0.0)
-        activations += tokens_mb * sizes.vocab / t * (c + 8)  # logits, their fp32 softmax and gradient
-        activations *= ACTIVATION_OVERHEAD
-
-    # Compute: model FLOPs split over every device, recomputation, the pipeline's idle slots.
-    matmul = float(sizes.matmul_params or sizes.params)
-    if sizes.experts and sizes.top_k:
-        matmul -= sizes.expert_params * (1 - sizes.top_k / sizes.experts)
-    flops = batch * seq * (6 * matmul + 12 * sizes.layers * sizes.dim * seq) / n
-    flops *= REMAT_COMPUTE.get(remat, 1.2) * (1 + (p - 1) / mb)
-    compute = flops / hw.peak_flops("bfloat16" if c == 2 else "float32")
-
-    # Bytes each axis moves per device.
-    param_bytes = held * f * (comm_itemsize or c)  # this device's tensor/stage/expert share, gathered over fsdp
-    tokens = tokens_mb * mb
-    gathers = 3 + (remat != "none")  # forward, backward (and the recomputed forward), reduce-scatter
-    moved = {
-        "fsdp": gathers * _ring("all-gather", param_bytes, f) * mb,
-        "data": _ring("all-reduce", param_bytes / f, d) * mb,
-        "tensor": 4 * layers_here * _ring("all-reduce", tokens * sizes.dim * c, t),
-        # Ring attention: K and V go round the ring forward; K, V and their gradients backward.
-        "sequence": 6 * layers_here * (sq - 1) * tokens * (sizes.kv_dim or sizes.dim) / t * c if sq > 1 else 0.0,
-        # Lock-step stages send a microbatch's activation (and its gradient back) every slot.
-        "stage": 2 * (mb + p - 1) * tokens_mb * sizes.dim * c if p > 1 else 0.0,
-        # Dispatch and combine, forward and backward, of the routed tokens (capacity 1.25).
-        "expert": 4 * sizes.layers * _ring("all-to-all", tokens * sizes.dim * c * max(sizes.top_k, 1) * 1.25, e),
-    }
-    moved = {axis: b for axis, b in moved.items() if b}
+    activations = _activation_bytes(sizes, shape, batch, seq, compute_itemsize, remat, microbatches, schedule)
+    flops = _flops_per_device(sizes, shape, batch, seq, remat, microbatches)
+    compute = flops / hw.peak_flops("bfloat16" if compute_itemsize == 2 else "float32")
+    moved = _moved_bytes(sizes, shape, batch, seq, held, compute_itemsize, comm_itemsize, remat, microbatches)
     return Estimate(
         memory_bytes=state + grads + activations,
         state_bytes=state,

@@ -152,6 +152,43 @@ def diagnose(failed_rank: int, code: int, stalled: list[int], tails: list[collec
     return "; ".join(lines) + "\n"
 
 
+def _check_launch(command: Sequence[str], nproc: int, nnodes: int, node_rank: int, coordinator: str | None) -> None:
+    """Refuse a launch that cannot work, before any process starts."""
+    _check_command(command)
+    if nproc < 1:
+        raise ClusterError(f"--nproc {nproc}: launch at least one process.")
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ClusterError(f"--node-rank {node_rank} of --nnodes {nnodes}: give 0 <= node rank < nodes >= 1.")
+    if nnodes > 1 and not coordinator:
+        raise ClusterError(
+            f"--nnodes {nnodes}: every node needs the same --coordinator host:port (node 0's address), e.g. "
+            "--coordinator 10.0.0.1:12355."
+        )
+
+
+def _start(
+    command: Sequence[str], rank: int, env: dict[str, str], devices_per_proc: int | None, verbose: bool
+) -> tuple[subprocess.Popen[str], collections.deque[str], threading.Thread]:
+    """Start process ``rank`` (in the job's numbering) and the thread that prefixes its output;
+    ``(process, the tail of its output, the thread)``."""
+    child_env = {**os.environ, **env, "SHARDKIT_PROCESS_ID": str(rank), "PYTHONUNBUFFERED": "1"}
+    if devices_per_proc:
+        child_env["SHARDKIT_LOCAL_DEVICES"] = str(devices_per_proc)
+        child_env["JAX_PLATFORMS"] = "cpu"
+    p = subprocess.Popen(
+        list(command),
+        env=child_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: stopping it stops its children too
+    )
+    tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+    pump = threading.Thread(target=_pump, args=(rank, p.stdout, sys.stdout, tail, verbose), daemon=True)
+    pump.start()
+    return p, tail, pump
+
+
 def launch(
     command: Sequence[str],
     nproc: int,
@@ -184,16 +221,7 @@ def launch(
     Raises:
       ShardkitError: no command, an unknown command, or a bad process count; before any start.
     """
-    _check_command(command)
-    if nproc < 1:
-        raise ClusterError(f"--nproc {nproc}: launch at least one process.")
-    if nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise ClusterError(f"--node-rank {node_rank} of --nnodes {nnodes}: give 0 <= node rank < nodes >= 1.")
-    if nnodes > 1 and not coordinator:
-        raise ClusterError(
-            f"--nnodes {nnodes}: every node needs the same --coordinator host:port (node 0's address), e.g. "
-            "--coordinator 10.0.0.1:12355."
-        )
+    _check_launch(command, nproc, nnodes, node_rank, coordinator)
     world = nnodes * nproc
     if devices_per_proc is None and not has_accelerator():
         devices_per_proc = devices_from_layout(command, world)
@@ -207,33 +235,13 @@ def launch(
     pumps = []
     try:
         for rank in range(nproc):
-            child_env = {
-                **os.environ,
-                **(env or {}),
-                "SHARDKIT_COORDINATOR": address,
-                "SHARDKIT_NUM_PROCESSES": str(world),
-                "SHARDKIT_PROCESS_ID": str(node_rank * nproc + rank),
-                "PYTHONUNBUFFERED": "1",
-            }
-            if devices_per_proc:
-                child_env["SHARDKIT_LOCAL_DEVICES"] = str(devices_per_proc)
-                child_env["JAX_PLATFORMS"] = "cpu"
-            p = subprocess.Popen(
-                list(command),
-                env=child_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,  # its own process group: stopping it stops its children too
+            cluster = {"SHARDKIT_COORDINATOR": address, "SHARDKIT_NUM_PROCESSES": str(world)}
+            p, tail, pump = _start(
+                command, node_rank * nproc + rank, {**(env or {}), **cluster}, devices_per_proc, verbose
             )
             procs.append(p)
-            tails.append(collections.deque(maxlen=_TAIL_LINES))
-            global_rank = node_rank * nproc + rank
-            t = threading.Thread(
-                target=_pump, args=(global_rank, p.stdout, sys.stdout, tails[-1], verbose), daemon=True
-            )
-            t.start()
-            pumps.append(t)
+            tails.append(tail)
+            pumps.append(pump)
         failure = _watch(procs, received, grace_s)
     finally:
         _stop(procs, grace_s, signal.SIGTERM)  # a no-op when all have exited

@@ -132,6 +132,40 @@ end the list with a catch-all that replicates the rest:
 """
 
 
+def _compiled_rules(patterns: Sequence[RegexRule] | Mapping[str, Any]) -> list[tuple[re.Pattern[str], str, Any]]:
+    """``[(compiled regex, pattern, target)]``, refusing a rule that is not a pair or does not compile."""
+    if isinstance(patterns, Mapping):  # {regex: names} reads as well as a list of pairs
+        patterns = list(patterns.items())
+    compiled = []
+    for rule in patterns:
+        if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
+            raise RuleError(
+                f"Regex rule {short_repr(rule)} is not a (regex, names) pair, e.g. (r'mlp/.*/kernel$', "
+                "('embed', 'mlp')); pass a list of such pairs or a dict {regex: names}."
+            )
+        pattern, target = rule
+        try:
+            compiled.append((re.compile(pattern), pattern, target))
+        except re.error as e:
+            raise RuleError(f"Regex rule {pattern!r} does not compile ({e}); fix the pattern.") from e
+    return compiled
+
+
+def _rule_axes(pattern: str, target: Any, key: str, shape: tuple[int, ...]) -> Axes:
+    """The :class:`Axes` a matching rule gives the parameter ``key`` of ``shape``."""
+    if target is None:
+        return Axes()
+    if isinstance(target, PartitionSpec):
+        return Axes(spec=target)
+    if len(tuple(target)) != len(shape):
+        raise RuleError(
+            f"Regex rule {pattern!r} gives {key} (shape {shape}) {len(tuple(target))} names "
+            f"{tuple(target)}; it has {len(shape)} dimensions. Fix: one name per dimension (None for "
+            "a dimension left whole), or a narrower pattern."
+        )
+    return Axes(tuple(target))
+
+
 def regex_axes(
     params: Any,
     patterns: Sequence[RegexRule],
@@ -168,20 +202,7 @@ def regex_axes(
       >>> t["dense"]["kernel"].names
       ('embed', 'mlp')
     """
-    if isinstance(patterns, Mapping):  # {regex: names} reads as well as a list of pairs
-        patterns = list(patterns.items())
-    compiled = []
-    for rule in patterns:
-        if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
-            raise RuleError(
-                f"Regex rule {short_repr(rule)} is not a (regex, names) pair, e.g. (r'mlp/.*/kernel$', "
-                "('embed', 'mlp')); pass a list of such pairs or a dict {regex: names}."
-            )
-        pattern, target = rule
-        try:
-            compiled.append((re.compile(pattern), pattern, target))
-        except re.error as e:
-            raise RuleError(f"Regex rule {pattern!r} does not compile ({e}); fix the pattern.") from e
+    compiled = _compiled_rules(patterns)
     used: set[str] = set()
     flat_own = jax.tree_util.tree_flatten_with_path(own, is_leaf=_is_axes)[0] if own is not None else []
     own_by_path = {path_str(p): a for p, a in flat_own}
@@ -198,17 +219,7 @@ def regex_axes(
                 used.add(pattern)
                 if annotated and not override and mine is not None:
                     return mine
-                if target is None:
-                    return Axes()
-                if isinstance(target, PartitionSpec):
-                    return Axes(spec=target)
-                if len(tuple(target)) != len(leaf.shape):
-                    raise RuleError(
-                        f"Regex rule {pattern!r} gives {key} (shape {tuple(leaf.shape)}) {len(tuple(target))} names "
-                        f"{tuple(target)}; it has {len(leaf.shape)} dimensions. Fix: one name per dimension (None for "
-                        "a dimension left whole), or a narrower pattern."
-                    )
-                return Axes(tuple(target))
+                return _rule_axes(pattern, target, key, tuple(leaf.shape))
         if model_annotates:
             return mine if mine is not None else Axes()
         listing = "\n".join(f"    ({p!r}, {t!r})" for _, p, t in compiled) or "    (none)"
