@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from jax.sharding import PartitionSpec
 
 from shardkit.errors import AnnotationError, LayoutError, RuleError, short_repr
-from shardkit.mesh import MESH_AXES, Layout
+from shardkit.mesh import MESH_AXES
 
 # Logical axis names shardkit's models use, in default priority order.
 LOGICAL_AXES: tuple[str, ...] = (
@@ -99,13 +99,6 @@ class Rules:
 
     def __contains__(self, name: object) -> bool:
         return name in dict(self.rules)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(n for n, _ in self.rules)
-
-    def mesh_axes(self) -> set[str]:
-        return {a for _, axes in self.rules for a in axes}
 
     def __str__(self) -> str:
         return ", ".join(f"{n}->{'+'.join(a) if a else '-'}" for n, a in self.rules)
@@ -205,12 +198,11 @@ def pipeline_parallel() -> Rules:
     return Rules.of(layers="stage")
 
 
-def default_rules(layout: Layout | None = None) -> Rules:
-    """The rules shardkit uses for a layout unless told otherwise: all presets joined.
+def default_rules() -> Rules:
+    """The rules shardkit uses unless told otherwise: all presets joined.
 
     Axes of size 1 drop out at resolution, so one rule set serves every layout.
     """
-    del layout  # the same joined rules fit every layout; kept for a future per-layout choice
     return (
         base()
         + data_parallel()

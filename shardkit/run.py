@@ -23,6 +23,7 @@ from shardkit import run_dir
 from shardkit.checkpoint import Checkpointer
 from shardkit.config import OPTIMIZER_NAMES, TrainConfig
 from shardkit.data import TextDataset, load_text
+from shardkit.distributed import is_primary
 from shardkit.errors import InputError, ModelError
 from shardkit.generate import generate
 from shardkit.hardware import profile_of_device
@@ -229,7 +230,7 @@ def _steps(
     with contextlib.ExitStack() as stack:
         stop = stack.enter_context(StopRequests())
         log = None
-        if cfg.json_log and jax.process_index() == 0:  # one writer, whatever the process count
+        if cfg.json_log and is_primary():  # one writer, whatever the process count
             log = stack.enter_context(open_json_log(pathlib.Path(cfg.json_log), first_step))
         for step in range(first_step, cfg.steps):
             loop.last_batch = batch = trainer.shard_batch(dataset.batch(step, cfg.batch, cfg.seq, rows=rows))
@@ -296,14 +297,14 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
     Returns:
       ``{"losses", "first_loss", "last_loss", "tokens_per_s", "sample", "layout", "devices"}``.
     """
-    if jax.process_index() != 0:  # several processes, one program: process 0 speaks for all
+    if not is_primary():  # several processes, one program: process 0 speaks for all
         out = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the run
     dataset, trainer = _trainer_for(cfg, out)
     if cfg.run_dir:  # everything is checked: now the run directory may be written
         cfg = run_dir.prepare(cfg)
     run = run_fingerprint(cfg, dataset)
     ckpt, _, first_step = start = _start_or_resume(cfg, trainer, run, out)
-    bar = Progress(cfg.steps, cfg.batch * cfg.seq, first=first_step) if progress and jax.process_index() == 0 else None
+    bar = Progress(cfg.steps, cfg.batch * cfg.seq, first=first_step) if progress and is_primary() else None
     if bar is not None and first_step < cfg.steps:
         bar.note(f"compiling the train step ({trainer.layout.spec()}, batch {cfg.batch} x seq {cfg.seq})")
     loop = _steps(cfg, trainer, dataset, start, run, bar, out)

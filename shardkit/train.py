@@ -146,7 +146,7 @@ class Trainer:
         self.max_skips, self.skipped_in_a_row = max_skips, 0
         self.layout = as_layout(layout).resolve(len(devices))
         self.schedule: Schedule | None = pipeline_schedule(model, self.layout, schedule, virtual_stages, microbatches)
-        rules = default_rules(self.layout) if rules is None else as_rules(rules)
+        rules = default_rules() if rules is None else as_rules(rules)
         if sequence_parallel:
             rules = rules + tensor_sequence_parallel()
         self.plan: ShardingPlan = plan_sharding(

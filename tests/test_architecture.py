@@ -45,7 +45,7 @@ LAYERS = {
         "inputs",
         "checksums",
     },
-    2: {"report"},
+    2: {"report", "report_data"},
     3: {"steps", "train", "checkpoint", "checkpoint_checks"},
     4: {"dryrun", "plan", "run", "cli", "__init__"},
 }

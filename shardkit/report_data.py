@@ -1,0 +1,224 @@
+"""The report's values: a compiled step's collectives (:class:`CollectiveStat`), memory per
+device (:class:`Memory`) and the whole :class:`Report` with its table and JSON form, plus the
+ring formulas for bytes moved. :mod:`shardkit.report` builds them from a compiled program.
+
+Bytes moved per device use ring algorithms on ``n`` devices for an array of ``S`` bytes:
+all-reduce ``2(n-1)/n*S``; all-gather, reduce-scatter, all-to-all ``(n-1)/n*S``;
+collective-permute ``S``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+from typing import Any
+
+_PLUMBING = {"while", "body", "closed_call", "checkpoint", "remat", "rematted_computation", "cond", ""}
+_WRAPPER = re.compile(r"\b(?:jvp|transpose|jit|remat|checkpoint|vmap|pjit)\(([^()]*)\)")
+
+
+def source_op(op_name: str) -> tuple[str, str]:
+    """``(op, direction)`` of an HLO op_name, e.g. ``("layer/attn/out_proj/dot_general", "forward")``.
+
+    Example:
+      >>> source_op("jit(step)/transpose(jvp())/while/body/closed_call/layer/mlp/down_proj/dot_general")
+      ('layer/mlp/down_proj/dot_general', 'backward')
+    """
+    # XLA joins the op_names of collectives it combined with ":" (and a parenthesised prefix).
+    combined = op_name.split(":")
+    first = combined[0]
+    direction = "backward" if "transpose(" in first else "forward"
+    body = re.sub(r"^jit\([^()]*\)/", "", first)
+    while _WRAPPER.search(body):
+        body = _WRAPPER.sub(r"\1", body)
+    parts = [p.strip("()") for p in body.split("/")]
+    op = "/".join(p for p in parts if p not in _PLUMBING) or "(unnamed)"
+    if len(combined) > 1:
+        op += f" (+{len(combined) - 1} combined)"
+    return op, direction
+
+
+def moved_bytes(kind: str, full_bytes: float, n: int) -> float:
+    """Bytes one device sends for a ring collective over ``n`` devices on ``full_bytes``."""
+    if n <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n * full_bytes
+    if kind == "collective-permute":
+        return float(full_bytes)
+    return (n - 1) / n * full_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveStat:
+    """Collectives of one kind, over the same mesh axes, from the same op, in one step.
+
+    Attributes:
+      kind: all-reduce, all-gather, reduce-scatter, all-to-all or collective-permute.
+      axes: mesh axes the collective runs over.
+      op: the user op it comes from (named scopes and JAX op), e.g. ``layer/attn/out_proj/...``.
+      direction: ``forward`` or ``backward`` (from the op's transpose marker).
+      count: executions per step (loop trip counts included).
+      group_size: devices per replica group.
+      payload_bytes: bytes of the full array per execution (for a reduce-scatter: its input).
+      moved_bytes: bytes sent per device per step (ring formula x count).
+      lowered_as: how the backend spelled it, when different from ``kind``.
+      crosses_hosts: its replica groups hold devices of several processes (the slow network).
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    op: str
+    direction: str
+    count: int
+    group_size: int
+    payload_bytes: int
+    moved_bytes: float
+    lowered_as: str = ""
+    crosses_hosts: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per device. ``total`` = arguments + outputs - aliased + temporaries."""
+
+    params: int
+    optimizer: int
+    master: int
+    batch: int
+    arguments: int
+    outputs: int
+    alias: int
+    temp: int
+    generated_code: int
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs - self.alias + self.temp
+
+    def to_dict(self) -> dict[str, int]:
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What one compiled train step does, per device, and how far from the layout's bound."""
+
+    backend: str
+    devices: int
+    layout: str
+    precision: str
+    microbatches: int
+    parameters: int
+    collectives: tuple[CollectiveStat, ...]
+    memory: Memory
+    flops_per_device: float
+    model_flops_per_step: float | None
+    lower_bound: dict[str, float]
+    compile_seconds: float | None = None
+
+    @property
+    def moved_bytes(self) -> float:
+        return sum(c.moved_bytes for c in self.collectives)
+
+    def bytes_by_axes(self) -> dict[str, float]:
+        """Bytes moved per device per step, by the mesh axes collectives run over."""
+        out: dict[str, float] = collections.defaultdict(float)
+        for c in self.collectives:
+            out["+".join(c.axes) or "-"] += c.moved_bytes
+        return dict(out)
+
+    @property
+    def ratios(self) -> dict[str, float]:
+        """Measured / lower bound, for bytes moved and for model-state memory."""
+        bound_bytes = self.lower_bound["bytes_per_device"]
+        state = self.memory.params + self.memory.optimizer + self.memory.master
+        return {
+            "bytes": self.moved_bytes / bound_bytes if bound_bytes else (0.0 if not self.moved_bytes else math.inf),
+            "memory": state / self.lower_bound["state_memory_per_device"],
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "devices": self.devices,
+            "layout": self.layout,
+            "precision": self.precision,
+            "microbatches": self.microbatches,
+            "parameters": self.parameters,
+            # "bytes": moved per device per step (= moved_bytes), the figure tables show.
+            "collectives": [{**dataclasses.asdict(c), "bytes": c.moved_bytes} for c in self.collectives],
+            "bytes_by_axes": self.bytes_by_axes(),
+            "memory": self.memory.to_dict(),
+            "flops_per_device": self.flops_per_device,
+            "model_flops_per_step": self.model_flops_per_step,
+            "lower_bound": self.lower_bound,
+            "ratios": self.ratios,
+            "compile_seconds": self.compile_seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Report:
+        """Rebuild a report from :meth:`to_dict` output (e.g. a dry run in a subprocess)."""
+        memory = {k: v for k, v in d["memory"].items() if k != "total"}
+        return cls(
+            backend=d["backend"],
+            devices=d["devices"],
+            layout=d["layout"],
+            precision=d["precision"],
+            microbatches=d["microbatches"],
+            parameters=d["parameters"],
+            collectives=tuple(
+                CollectiveStat(**{k: v for k, v in c.items() if k != "bytes"} | {"axes": tuple(c["axes"])})
+                for c in d["collectives"]
+            ),
+            memory=Memory(**memory),
+            flops_per_device=d["flops_per_device"],
+            model_flops_per_step=d["model_flops_per_step"],
+            lower_bound=d["lower_bound"],
+            compile_seconds=d.get("compile_seconds"),
+        )
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def table(self) -> str:
+        """The report as text: collectives, memory, FLOPs and the bound."""
+        lines = [
+            f"{self.layout} on {self.devices} {self.backend} device(s), precision {self.precision}, "
+            f"microbatches {self.microbatches}, {self.parameters:,} parameters",
+            "",
+            f"{'collective':16s} {'axes':16s} {'dir':4s} {'count':>5s} {'MB moved':>10s}  op",
+        ]
+        for c in sorted(self.collectives, key=lambda c: -c.moved_bytes):
+            kind = c.kind + ("*" if c.lowered_as else "")
+            axes = ("+".join(c.axes) or "-") + (" [hosts]" if c.crosses_hosts else "")
+            lines.append(f"{kind:16s} {axes:16s} {c.direction[:3]:4s} {c.count:5d} {c.moved_bytes / 1e6:10.3f}  {c.op}")
+        if any(c.lowered_as for c in self.collectives):
+            lines.append(f"* lowered on {self.backend} as all-reduce + dynamic-slice; GPU backends emit reduce-scatter")
+        m = self.memory
+        lines += [
+            "",
+            "memory per device (MB): "
+            + ", ".join(
+                f"{k} {v / 1e6:.2f}"
+                for k, v in [
+                    ("params", m.params),
+                    ("optimizer", m.optimizer),
+                    ("master", m.master),
+                    ("batch", m.batch),
+                    ("temp", m.temp),
+                    ("outputs", m.outputs),
+                    ("aliased", m.alias),
+                    ("total", m.total),
+                ]
+            ),
+            f"matmul FLOPs per device per step: {self.flops_per_device:.4g}",
+            f"lower bound: {self.lower_bound['bytes_per_device'] / 1e6:.3f} MB moved, "
+            f"{self.lower_bound['state_memory_per_device'] / 1e6:.3f} MB model state per device; "
+            f"measured/bound: bytes {self.ratios['bytes']:.2f}, memory {self.ratios['memory']:.2f}",
+        ]
+        return "\n".join(lines)
