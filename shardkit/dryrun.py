@@ -81,12 +81,18 @@ def _factory_trainer(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> 
     return _trainer_and_batch(build_model(factory, label), cfg, cfg.seq)
 
 
+def dry_run_optimizer() -> optax.GradientTransformation:
+    """The optimizer a dry run compiles: AdamW, the state a real run holds (the planner reads its
+    bytes per parameter from it too)."""
+    return optax.adamw(1e-4)
+
+
 def _trainer_and_batch(model: Model, cfg: DryRunConfig, seq: int) -> tuple[Trainer, dict[str, Any]]:
     """The configuration's trainer for ``model`` (AdamW: the state a real run holds) and its
     abstract ``(batch, seq + 1)`` token batch."""
     trainer = Trainer(
         model,
-        optax.adamw(1e-4),
+        dry_run_optimizer(),
         cfg.layout,
         precision=cfg.precision,
         microbatches=cfg.microbatches,

@@ -21,19 +21,38 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import optax
+
 from shardkit.hardware import Hardware
 from shardkit.mesh import Layout
+from shardkit.precision import Precision, as_precision
 
-# Bytes per parameter of the model state (parameters, optimizer moments, master copy) by
-# precision; and of its gradients.
-STATE_BYTES_PER_PARAM = {"fp32": 12, "bf16": 12, "bf16-master": 14}
-GRAD_BYTES_PER_PARAM = {"fp32": 4, "bf16": 4, "bf16-master": 2}
 # Extra compute of a rematerialised backward pass (the forward runs again: 4/3 of 6N).
 REMAT_COMPUTE = {"none": 1.0, "full": 4 / 3, "dots": 1.1, "dots_no_batch": 1.15}
 # The compiled step holds about this multiple of the activations Korthikanti et al. count: the
 # ratio of compiled temporary memory to the formula, measured on this toolchain from 1.5 (a
 # 4-layer byte model, fp32) to 2.1 (Llama-2 70B, bf16, remat full, 512 devices).
 ACTIVATION_OVERHEAD = 1.75
+
+
+def optimizer_bytes_per_param(optimizer: optax.GradientTransformation, dtype: Any = jnp.float32) -> float:
+    """Bytes of optimizer state per parameter, read from the optimizer itself: its state for a
+    256 x 256 ``dtype`` weight matrix (the shape most of a model's parameters have, so factored
+    optimizers such as Adafactor count as they run), scalars such as step counts left out.
+
+    Example:
+      >>> optimizer_bytes_per_param(optax.adamw(1e-3)), optimizer_bytes_per_param(optax.sgd(0.1))
+      (8.0, 0.0)
+      >>> optimizer_bytes_per_param(optax.sgd(0.1, momentum=0.9))
+      4.0
+    """
+    side = 256
+    n = side * side
+    state = jax.eval_shape(optimizer.init, {"w": jax.ShapeDtypeStruct((side, side), dtype)})
+    leaves = [x for x in jax.tree.leaves(state) if hasattr(x, "shape") and math.prod(x.shape) > 1]
+    return float(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)) / n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,12 +244,13 @@ def analytic(
     *,
     batch: int,
     seq: int,
-    precision: str,
+    precision: str | Precision,
     compute_itemsize: int,
     comm_itemsize: int | None = None,
     remat: str = "none",
     microbatches: int = 1,
     schedule: str | None = None,
+    optimizer_bytes: float | None = None,
 ) -> Estimate:
     """Estimate one step of ``sizes`` under mesh axis sizes ``shape``, without compiling.
 
@@ -239,13 +259,16 @@ def analytic(
       shape: mesh axis sizes (``data``, ``fsdp``, ``tensor``, ``sequence``, ``stage``, ``expert``).
       hw: the hardware profile.
       batch, seq: global batch rows and sequence length.
-      precision: ``fp32``, ``bf16`` or ``bf16-master`` (bytes of state per parameter).
+      precision: ``fp32``, ``bf16`` or ``bf16-master`` (its bytes of parameters, master copy and
+        gradients per parameter).
       compute_itemsize: bytes per element of activations.
       comm_itemsize: bytes per element of gathered parameters and reduced gradients (default
         ``compute_itemsize``; 4 where an fp32 master copy is what is gathered and reduced).
       remat: per-layer rematerialisation policy.
       microbatches: gradient-accumulation (or pipeline) microbatches.
       schedule: the pipeline schedule when ``stage > 1`` (``1f1b`` or ``gpipe``).
+      optimizer_bytes: the optimizer's state per parameter (:func:`optimizer_bytes_per_param`;
+        default: AdamW's, read from ``optax.adamw`` in the precision's update dtype).
 
     Returns:
       An :class:`Estimate`. Data-parallel and FSDP traffic is counted once per microbatch, as the
@@ -262,8 +285,11 @@ def analytic(
     f, t, p, e = (shape.get(axis, 1) for axis in ("fsdp", "tensor", "stage", "expert"))
     dense = sizes.params - sizes.expert_params
     held = dense / (f * t * p) + sizes.expert_params / (f * t * p * e)  # parameters a device holds
-    state = held * STATE_BYTES_PER_PARAM[precision]
-    grads = held * GRAD_BYTES_PER_PARAM[precision]
+    policy = as_precision(precision)
+    if optimizer_bytes is None:
+        optimizer_bytes = optimizer_bytes_per_param(optax.adamw(1e-3), policy.update_dtype)
+    state = held * policy.state_bytes_per_param(optimizer_bytes)
+    grads = held * policy.grad_bytes_per_param
     activations = _activation_bytes(sizes, shape, batch, seq, compute_itemsize, remat, microbatches, schedule)
     flops = _flops_per_device(sizes, shape, batch, seq, remat, microbatches)
     compute = flops / hw.peak_flops("bfloat16" if compute_itemsize == 2 else "float32")

@@ -52,6 +52,28 @@ class Precision:
     def cast_for_storage(self, params: Any) -> Any:
         return _cast(params, self.params)
 
+    @property
+    def update_dtype(self) -> Any:
+        """The dtype the optimizer updates in (and keeps its moments in): the master copy's or the
+        stored parameters'."""
+        return self.master if self.master is not None else self.params
+
+    def state_bytes_per_param(self, optimizer_bytes: float) -> float:
+        """Bytes of model state per parameter: stored parameters, the master copy if any, and the
+        optimizer's ``optimizer_bytes`` (see :func:`shardkit.estimate.optimizer_bytes_per_param`).
+
+        Example:
+          >>> POLICIES["bf16-master"].state_bytes_per_param(8.0)  # ZeRO's 2 + 4 + 8 for Adam
+          14.0
+        """
+        master = jnp.dtype(self.master).itemsize if self.master is not None else 0
+        return float(jnp.dtype(self.params).itemsize + master + optimizer_bytes)
+
+    @property
+    def grad_bytes_per_param(self) -> int:
+        """Bytes of a parameter's gradient: gradients come in the stored parameters' dtype."""
+        return jnp.dtype(self.params).itemsize
+
 
 def _cast(tree: Any, dtype: Any) -> Any:
     def one(x: Any) -> Any:

@@ -291,3 +291,30 @@ def test_the_planner_shows_k_of_n_and_ctrl_c_prints_the_partial_table(tmp_path):
     assert "interrupted before any plan was compiled" in out or "best: shardkit train" in out
     time.sleep(1)
     assert _plan_workers(str(tmp_path)) == [], "no worker outlives the plan"
+
+
+def test_the_state_estimate_reads_its_bytes_from_the_optimizer_and_the_precision():
+    import optax
+
+    from shardkit.estimate import ModelSizes, analytic, optimizer_bytes_per_param
+    from shardkit.hardware import PROFILES
+
+    assert optimizer_bytes_per_param(optax.adamw(1e-3)) == 8.0  # two float32 moments
+    assert optimizer_bytes_per_param(optax.sgd(0.1)) == 0.0
+    assert optimizer_bytes_per_param(optax.sgd(0.1, momentum=0.9)) == 4.0
+    assert optimizer_bytes_per_param(optax.adafactor(1e-3)) < 1.0  # factored second moments
+    sizes = ModelSizes(params=1e9, layers=16, dim=2048, heads=16, kv_dim=2048, vocab=32000)
+    per_param = {}
+    for precision, optimizer in (("bf16-master", optax.adamw(1e-3)), ("fp32", optax.sgd(0.1))):
+        e = analytic(
+            sizes,
+            {"fsdp": 8},
+            PROFILES["h100"],
+            batch=8,
+            seq=1024,
+            precision=precision,
+            compute_itemsize=2,
+            optimizer_bytes=optimizer_bytes_per_param(optimizer),
+        )
+        per_param[precision] = e.state_bytes * 8 / sizes.params
+    assert per_param == {"bf16-master": 14.0, "fp32": 4.0}  # ZeRO's 2 + 4 + 8; plain SGD keeps only the params

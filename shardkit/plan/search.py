@@ -4,6 +4,7 @@ and what each one is estimated to cost before anything is compiled."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -11,9 +12,9 @@ from typing import Any
 
 import jax
 
-from shardkit.dryrun import DryRunConfig
+from shardkit.dryrun import DryRunConfig, dry_run_optimizer
 from shardkit.errors import ShardkitError
-from shardkit.estimate import Estimate, ModelSizes, analytic, axis_links
+from shardkit.estimate import Estimate, ModelSizes, analytic, axis_links, optimizer_bytes_per_param
 from shardkit.hardware import Hardware
 from shardkit.model import Model, model_facts
 from shardkit.models.gpt import GPTConfig
@@ -187,6 +188,11 @@ class Question:
     seq: int
     options: PlanOptions
 
+    @functools.cached_property
+    def optimizer_bytes(self) -> float:
+        """Optimizer state per parameter of the optimizer dry runs compile, read from it once."""
+        return optimizer_bytes_per_param(dry_run_optimizer(), self.precision.update_dtype)
+
     @property
     def precision(self) -> Precision:
         return as_precision(self.options.precision)
@@ -217,6 +223,7 @@ class Question:
             remat=remat,
             microbatches=microbatches,
             schedule=schedule,
+            optimizer_bytes=self.optimizer_bytes,
         )
 
     def dry_run(self, spec: str, remat: str, microbatches: int, schedule: str | None) -> DryRunConfig:
