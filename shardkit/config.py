@@ -74,6 +74,11 @@ class TrainConfig:
     nonfinite: str = setting("skip", "a step with NaN/Inf is skipped or stops the run", choices=NONFINITE_NAMES)
     max_skips: int = setting(10, "non-finite steps skipped in a row that stop the run (0: never)")
     sequence_parallel: bool = setting(False, "Megatron sequence parallelism on the tensor axis")
+    zero: int = setting(
+        0,
+        "ZeRO stage over the data axis, parameters whole on every device: 1 shards the optimizer state and "
+        "master weights, 2 the gradients too (0: off; stage 3 is the layout's fsdp axis)",
+    )
     schedule: str | None = setting(None, "pipeline schedule with stage>1 (default 1f1b)", choices=SCHEDULES)
     virtual_stages: int = setting(1, "interleaved pipeline stages per device (chunks of layers)")
     checkpoint_dir: str | None = setting(
@@ -128,6 +133,8 @@ class TrainConfig:
             raise InputError(f"--lr-schedule {self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}.")
         if not math.isfinite(self.clip) or self.clip < 0:
             raise InputError(f"--clip must be a finite number >= 0 (0: no clipping), got {self.clip}.")
+        if self.zero not in (0, 1, 2):
+            raise InputError(f"--zero {self.zero}: give a ZeRO stage 0, 1 or 2 (stage 3 is --layout fsdp=N).")
         if not 0.0 < self.b2 < 1.0:
             raise InputError(f"--b2 must be in (0, 1), e.g. 0.95 or 0.999, got {self.b2}.")
         for name, least in (("microbatches", 1), ("virtual_stages", 1), ("keep_checkpoints", 1)):
@@ -180,6 +187,7 @@ class DryRunSettings:
     schedule: str | None = same_as(TrainConfig, "schedule")
     virtual_stages: int = same_as(TrainConfig, "virtual_stages")
     remat: str = same_as(TrainConfig, "remat")
+    zero: int = same_as(TrainConfig, "zero")
     scan_layers: bool = setting(True, "unroll the layer stack instead of scanning it", flag="--unrolled", negate=True)
     n_layers: int | None = setting(None, "override the preset's number of layers", flag="--layers")
     devices: int | None = same_as(TrainConfig, "devices")
@@ -193,6 +201,8 @@ class DryRunSettings:
             if value is not None and value < 1:
                 flag = {"n_layers": "layers"}.get(name, name)
                 raise InputError(f"--{flag} {value}: give a positive number.")
+        if self.zero not in (0, 1, 2):
+            raise InputError(f"--zero {self.zero}: give a ZeRO stage 0, 1 or 2 (stage 3 is --layout fsdp=N).")
 
 
 @dataclasses.dataclass(frozen=True)

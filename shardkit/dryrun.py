@@ -98,6 +98,7 @@ def _trainer_and_batch(model: Model, cfg: DryRunConfig, seq: int) -> tuple[Train
         microbatches=cfg.microbatches,
         schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages,
+        zero=cfg.zero,
     )
     return trainer, {"tokens": jax.ShapeDtypeStruct((cfg.batch, seq + 1), jnp.int32)}
 

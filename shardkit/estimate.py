@@ -251,6 +251,7 @@ def analytic(
     microbatches: int = 1,
     schedule: str | None = None,
     optimizer_bytes: float | None = None,
+    zero: int = 0,
 ) -> Estimate:
     """Estimate one step of ``sizes`` under mesh axis sizes ``shape``, without compiling.
 
@@ -269,6 +270,8 @@ def analytic(
       schedule: the pipeline schedule when ``stage > 1`` (``1f1b`` or ``gpipe``).
       optimizer_bytes: the optimizer's state per parameter (:func:`optimizer_bytes_per_param`;
         default: AdamW's, read from ``optax.adamw`` in the precision's update dtype).
+      zero: ZeRO stage over ``data`` (1: optimizer state and master weights split over it, with
+        an all-gather of the parameters after the update; 2: gradients reduce-scattered too).
 
     Returns:
       An :class:`Estimate`. Data-parallel and FSDP traffic is counted once per microbatch, as the
@@ -288,12 +291,18 @@ def analytic(
     policy = as_precision(precision)
     if optimizer_bytes is None:
         optimizer_bytes = optimizer_bytes_per_param(optax.adamw(1e-3), policy.update_dtype)
-    state = held * policy.state_bytes_per_param(optimizer_bytes)
-    grads = held * policy.grad_bytes_per_param
+    d = shape.get("data", 1)
+    stored = held * jnp.dtype(policy.params).itemsize
+    # What the optimizer updates (its moments, the master weights): split over data under ZeRO.
+    updated = held * (policy.state_bytes_per_param(optimizer_bytes) - jnp.dtype(policy.params).itemsize)
+    state = stored + updated / (d if zero else 1)
+    grads = held * policy.grad_bytes_per_param / (d if zero >= 2 else 1)
     activations = _activation_bytes(sizes, shape, batch, seq, compute_itemsize, remat, microbatches, schedule)
     flops = _flops_per_device(sizes, shape, batch, seq, remat, microbatches)
     compute = flops / hw.peak_flops("bfloat16" if compute_itemsize == 2 else "float32")
     moved = _moved_bytes(sizes, shape, batch, seq, held, compute_itemsize, comm_itemsize, remat, microbatches)
+    if zero == 1 and d > 1:  # the gradients' all-reduce, then the updated parameters' all-gather
+        moved["data"] = moved.get("data", 0.0) * 1.5
     return Estimate(
         memory_bytes=state + grads + activations,
         state_bytes=state,

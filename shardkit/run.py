@@ -172,6 +172,7 @@ def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
         sequence_parallel=cfg.sequence_parallel,
         schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages,
+        zero=cfg.zero,
     )
     print(
         f"shardkit: {trainer.mesh.devices.size} {jax.devices()[0].platform} device(s), layout "

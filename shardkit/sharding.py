@@ -57,6 +57,10 @@ class ShardingPlan:
       param_specs: ``PartitionSpec`` of every parameter.
       state_specs: ``PartitionSpec`` tree of the whole :class:`TrainState`.
       fallbacks: dimensions replicated because they did not divide (``allow_replicate``).
+      zero: the ZeRO stage over the ``data`` axis: 0 (off), 1 (optimizer state and master
+        weights sharded over it), 2 (gradients too). Stage 3 is the ``fsdp`` axis.
+      update_specs: ``PartitionSpec`` of each parameter's optimizer-side copies (moments, master
+        weights): the parameter's spec, plus the ``data`` axis on one dimension under ZeRO.
 
     Example:
       >>> import optax, shardkit as sk
@@ -77,6 +81,14 @@ class ShardingPlan:
     param_specs: Any
     state_specs: TrainState
     fallbacks: tuple[Fallback, ...] = ()
+    zero: int = 0
+    update_specs: Any = None
+
+    @property
+    def grad_specs(self) -> Any:
+        """Where gradients are reduced to: whole over ``data`` (an all-reduce), or under ZeRO-2
+        split like the optimizer state (a reduce-scatter)."""
+        return self.update_specs if self.zero >= 2 else self.param_specs
 
     @property
     def state_shardings(self) -> TrainState:
@@ -189,6 +201,7 @@ def plan_sharding(
     batch_axes: Mapping[str, Sequence[str | None]] | None = None,
     allow_replicate: bool = False,
     devices: Sequence[jax.Device] | None = None,
+    zero: int = 0,
 ) -> ShardingPlan:
     """Resolve where every parameter, optimizer state and batch array lives; compiles nothing.
 
@@ -201,6 +214,7 @@ def plan_sharding(
       batch_axes: logical names per batch entry.
       allow_replicate: replicate non-dividing parameter dimensions, listed in ``fallbacks``.
       devices: the devices of the mesh (default: all).
+      zero: ZeRO stage 0, 1 or 2 over the ``data`` axis (see :class:`ShardingPlan`).
 
     Returns:
       The :class:`ShardingPlan`.
@@ -214,13 +228,14 @@ def plan_sharding(
         model.axes, abstract_params, rules, mesh, allow_replicate=allow_replicate, fallbacks=fallbacks
     )
     abstract_opt = jax.eval_shape(lambda p: optimizer.init(precision.optimizer_copy(p)), abstract_params)
+    update_specs = zero_specs(param_specs, abstract_params, dict(mesh.shape)) if zero else param_specs
     replicated: Any = PartitionSpec()  # a leaf of the state's tree of specs
     state_specs = TrainState(
         step=replicated,
         params=param_specs,
-        opt_state=follow_params(abstract_opt, abstract_params, param_specs),
+        opt_state=follow_params(abstract_opt, abstract_params, update_specs),
         rng=replicated,
-        master=param_specs if precision.master is not None else None,
+        master=update_specs if precision.master is not None else None,
     )
     return ShardingPlan(
         resolved,
@@ -232,7 +247,37 @@ def plan_sharding(
         param_specs,
         state_specs,
         tuple(fallbacks),
+        zero,
+        update_specs,
     )
+
+
+def zero_specs(param_specs: Any, abstract_params: Any, mesh_shape: Mapping[str, int], axis: str = "data") -> Any:
+    """Each parameter's spec with ``axis`` added to its first dimension that still divides (the
+    ZeRO split of optimizer state); a parameter no dimension of which divides stays as it was.
+
+    Example:
+      >>> import jax
+      >>> zero_specs({"w": PartitionSpec(None, "tensor")}, {"w": jax.ShapeDtypeStruct((8, 4), "float32")},
+      ...            {"data": 4, "tensor": 2})
+      {'w': P('data', 'tensor')}
+    """
+    size = mesh_shape.get(axis, 1)
+    if size == 1:
+        return param_specs
+
+    def add(spec: PartitionSpec, leaf: Any) -> PartitionSpec:
+        entries = list(spec) + [None] * (len(leaf.shape) - len(spec))
+        if any(axis in entry_axes(e) for e in entries):
+            return spec
+        for d, entry in enumerate(entries):
+            axes = entry_axes(entry)
+            if leaf.shape[d] % (math.prod(mesh_shape[a] for a in axes) * size) == 0:
+                entries[d] = (axis, *axes) if axes else axis
+                return PartitionSpec(*entries)
+        return spec
+
+    return jax.tree.map(add, param_specs, abstract_params, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def follow_params(opt_state: Any, params: Any, param_specs: Any) -> Any:

@@ -222,11 +222,18 @@ def pipelined_grads(
 
 
 def make_step(
-    grads_fn: GradsFn, optimizer: optax.GradientTransformation, precision: Precision, nonfinite: str | None
+    grads_fn: GradsFn,
+    optimizer: optax.GradientTransformation,
+    precision: Precision,
+    nonfinite: str | None,
+    grads_to: Callable[[Any], Any] | None = None,
 ) -> StepFn:
     """``step(state, batch) -> (state, metrics)``: gradients, the optimizer update (on the master
     copy under ``bf16-master``), and with a ``nonfinite`` policy the guard that leaves the state
     as it was when the loss, a gradient or an updated parameter is not finite.
+
+    ``grads_to`` places the gradients before the update (ZeRO-2: split like the optimizer state,
+    so they are reduce-scattered rather than all-reduced).
 
     Returns metrics ``loss``, ``grad_norm``, ``tokens`` (plus ``finite``, ``finite_grads`` and
     ``finite_params`` under a policy).
@@ -237,6 +244,8 @@ def make_step(
         loss, count, grads = grads_fn(state.params, batch, key)
         target = state.master if state.master is not None else state.params
         grads = jax.tree.map(lambda g, t: g.astype(t.dtype), grads, target)
+        if grads_to is not None:
+            grads = grads_to(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, target)
         updated = optax.apply_updates(target, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count}

@@ -25,7 +25,7 @@ from shardkit.losses import LossFn, cross_entropy, like, mse_loss, next_token_lo
 from shardkit.mesh import Layout, as_layout
 from shardkit.model import Model
 from shardkit.parallel.schedule import Schedule
-from shardkit.partition import path_str, use_sharding
+from shardkit.partition import named, path_str, use_sharding
 from shardkit.precision import Precision, as_precision
 from shardkit.report import Report, build_report
 from shardkit.rules import RulesLike, as_rules, default_rules, tensor_sequence_parallel
@@ -95,6 +95,9 @@ class Trainer:
         must then be a multiple of ``stage``; chunks are regrouped by device each step, an
         all-to-all of the layer parameters and of their gradients over ``stage``).
       devices: the devices to use (default: all of ``jax.devices()``).
+      zero: ZeRO stage over the ``data`` axis, with the parameters whole on every device: 1 shards
+        the optimizer state (and master weights) over it, 2 the gradients too (reduce-scattered,
+        not all-reduced); 0 is off. ZeRO-3 is the layout's ``fsdp`` axis.
 
     Example:
       >>> import optax, shardkit as sk
@@ -124,6 +127,7 @@ class Trainer:
         schedule: str | None = None,
         virtual_stages: int = 1,
         devices: Sequence[jax.Device] | None = None,
+        zero: int = 0,
     ) -> None:
         if not isinstance(optimizer, optax.GradientTransformation):
             raise ModelError(NOT_AN_OPTIMIZER.format(got=short_repr(optimizer)))
@@ -141,6 +145,11 @@ class Trainer:
         devices = list(jax.devices() if devices is None else devices)
         if not devices:
             raise InputError("devices=[]: give at least one device (default: all of jax.devices()).")
+        if zero not in (0, 1, 2):
+            raise InputError(
+                f"zero={zero!r}: ZeRO stage 1 shards the optimizer state over the data axis, 2 the gradients too "
+                "(0: off). Stage 3 is the fsdp axis of the layout (e.g. 'fsdp=8')."
+            )
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.precision, self.microbatches, self.nonfinite = as_precision(precision), microbatches, nonfinite
         self.max_skips, self.skipped_in_a_row = max_skips, 0
@@ -158,7 +167,13 @@ class Trainer:
             batch_axes=batch_axes,
             allow_replicate=allow_replicate,
             devices=devices,
+            zero=zero,
         )
+        if zero and self.layout.size("data") == 1:
+            raise LayoutError(
+                f"zero={zero} shards the optimizer state over the data axis, but layout {self.layout.spec()} has "
+                "data=1. Fix: add a data axis (e.g. 'data=8'), or use fsdp for ZeRO-3."
+            )
         self.mesh, self.rules = self.plan.mesh, self.plan.rules
         self.abstract_params, self.param_specs = self.plan.abstract_params, self.plan.param_specs
         self.state_specs, self.state_shardings = self.plan.state_specs, self.plan.state_shardings
@@ -168,7 +183,11 @@ class Trainer:
             grads = pipelined_grads(model, loss, self.precision, self.schedule, self.plan)
         else:
             grads = accumulated_grads(plain_grads(model, loss, self.precision), microbatches, self.plan)
-        self._step_fn = make_step(grads, optimizer, self.precision, nonfinite)
+        grads_to = None
+        if zero >= 2:
+            grad_shardings = named(self.plan.grad_specs, self.mesh)
+            grads_to = lambda g: self.plan.constrain(g, grad_shardings)
+        self._step_fn = make_step(grads, optimizer, self.precision, nonfinite, grads_to)
         self._compiled: dict[Any, jax.stages.Compiled] = {}
         self._init = jax.jit(self._init_fn, static_argnums=0, out_shardings=self.state_shardings)
 

@@ -284,7 +284,7 @@ def test_cli_dryrun_takes_package_module_factory():
         ("byo_factories:not_a_model", {"seq": T}, "not a shardkit Model"),
         ("byo_factories:missing", {"seq": T}, "has no attribute 'missing'"),
         ("no_such_module_xyz:f", {"seq": T}, "cannot import module"),
-        ("byo_factories:gemma_lm", {}, "give the sequence length"),
+        ("byo_factories:gemma_lm", {"seq": None}, "give the sequence length"),
         ("byo_factories:gemma_lm", {"seq": T, "remat": "full"}, "GPT presets only"),
     ],
 )

@@ -1,0 +1,59 @@
+"""ZeRO-1 and ZeRO-2 over the data axis: parameters whole on every device, optimizer state and
+master weights (and under stage 2 the gradients) split over ``data``; losses as one device's,
+memory per device as ZeRO's formulas, from the compiled program."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import shardkit as sk
+from shardkit import hlo
+from shardkit.models import GPTConfig
+
+TINY = GPTConfig.preset("tiny")
+BATCH = {"tokens": np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np.int32)}
+N = 8
+
+
+def losses(trainer, steps=3):
+    state, out = trainer.init(0), []
+    for _ in range(steps):
+        state, metrics = trainer.step(state, trainer.shard_batch(BATCH))
+        out.append(float(metrics["loss"]))
+    return out, state
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_stages_train_as_one_device_does(zero):
+    one, _ = losses(sk.Trainer(TINY.model(), optax.adamw(1e-2), "data=1", devices=jax.devices()[:1]))
+    mine, state = losses(sk.Trainer(TINY.model(), optax.adamw(1e-2), "data=8", zero=zero))
+    np.testing.assert_allclose(mine, one, rtol=2e-5)
+    moment = jax.tree.leaves(state.opt_state[0].mu)[0]
+    assert "data" in str(moment.sharding.spec)  # the moments are split over data
+    assert all(p.sharding.is_fully_replicated for p in jax.tree.leaves(state.params))  # parameters whole
+
+
+def test_zero_memory_per_device_is_zeros_formula():
+    """bf16-master: 2 bytes of parameters on every device; 4 of master and 8 of Adam moments, over
+    N devices from stage 1 on: arguments 2P + 12P/N (stage 0: 14P)."""
+    args, temp = {}, {}
+    for zero in (0, 1, 2):
+        trainer = sk.Trainer(TINY.model(), optax.adamw(1e-3), "data=8", precision="bf16-master", zero=zero)
+        memory = trainer.compile(BATCH).memory_analysis()
+        args[zero], temp[zero] = memory.argument_size_in_bytes, memory.temp_size_in_bytes
+    p = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_params))
+    others = args[0] - 14 * p  # the batch share, the step, the key, Adam's count: the same in all
+    assert 0 <= others < 4096
+    assert args[1] == args[2] == 2 * p + 12 * p // N + others
+    assert temp[2] <= temp[1]  # the gradients of stage 2 are never whole (on CPU: reduced, then sliced)
+
+
+def test_zero_all_gathers_the_updated_parameters_over_data():
+    counts = {}
+    for zero in (0, 1):
+        trainer = sk.Trainer(TINY.model(), optax.adamw(1e-3), "data=8", zero=zero)
+        report = trainer.report(BATCH)
+        counts[zero] = sum(c.count for c in report.collectives if c.kind == "all-gather" and c.axes == ("data",))
+        assert hlo.dot_flops(trainer.compile(BATCH).as_text()) > 0
+    assert counts[0] == 0 and counts[1] >= len(jax.tree.leaves(trainer.abstract_params)) // 2
