@@ -225,6 +225,12 @@ class PlanOptions:
     microbatches: tuple[int, ...] = setting(
         (1, 2, 4, 8, 16), "microbatch counts to try, fewest first", flag="--microbatch-options"
     )
+    zero: tuple[int, ...] = setting(
+        (0, 2),
+        "ZeRO stages to try where a layout has a data axis, in this order after each remat and microbatch "
+        "setting (stage 1 moves 1.5x the bytes of stage 2 for less saving; add it to compare)",
+        flag="--zero-options",
+    )
     headroom: float = setting(0.9, "fraction of device memory a plan may use")
     compile_top: int | None = setting(
         6, "compile this many layouts, the fastest by the analytic estimate (0: all of them)", zero_is_none=True
@@ -237,5 +243,7 @@ class PlanOptions:
             raise InputError(f"compile_top={self.compile_top}: compile at least 1 layout (or None for all).")
         if self.workers is not None and self.workers < 1:
             raise InputError(f"workers={self.workers}: give at least 1 process.")
+        if not self.zero or any(z not in (0, 1, 2) for z in self.zero):
+            raise InputError(f"zero={self.zero}: give ZeRO stages among 0, 1 and 2, e.g. (0, 2).")
         if not 0 < self.headroom <= 1:
             raise InputError(f"headroom={self.headroom}: give the fraction of device memory to use, in (0, 1].")

@@ -52,7 +52,7 @@ def test_a_small_model_gets_pure_data_parallelism(cache):
 
 def test_a_model_that_does_not_fit_under_data_parallelism_gets_fsdp(cache):
     small_gpu = dataclasses.replace(H100, name="small", memory_bytes=8e6 / 0.9)
-    options = PlanOptions(tensor=(1,), remat=("full",), sequence=(1,), stage=(1,))  # the FSDP question alone
+    options = PlanOptions(tensor=(1,), remat=("full",), sequence=(1,), stage=(1,), zero=(0,))  # FSDP alone
     result = plan("mini", 8, small_gpu, batch=8, seq=16, options=options, cache_dir=cache)
     by_layout = {p["layout"]: p for p in result["plans"]}
     assert not by_layout["data=8"]["fits"] and "model state alone exceeds" in by_layout["data=8"]["note"]
@@ -318,3 +318,17 @@ def test_the_state_estimate_reads_its_bytes_from_the_optimizer_and_the_precision
         )
         per_param[precision] = e.state_bytes * 8 / sizes.params
     assert per_param == {"bf16-master": 14.0, "fp32": 4.0}  # ZeRO's 2 + 4 + 8; plain SGD keeps only the params
+
+
+def test_the_planner_splits_the_optimizer_state_over_data_when_memory_asks(cache):
+    """Under a budget the replicated optimizer state does not fit, a layout with a data axis is
+    planned with ZeRO (the state split over data) and the command says so; without the stages
+    on offer the same question has no ZeRO in its answer."""
+    small_gpu = dataclasses.replace(H100, name="small", memory_bytes=8e6 / 0.9)
+    base = dict(tensor=(1,), remat=("full",), sequence=(1,), stage=(1,), compile_top=3)
+    result = plan("mini", 8, small_gpu, batch=8, seq=16, options=PlanOptions(**base), cache_dir=cache)
+    best = next(p for p in result.plans if p.layout == result.best)
+    assert best.zero == 2 and "--zero 2" in result.best_flags and "data=" in result.best
+    assert f"{result.best} zero2" in format_plans(result)
+    plain = plan("mini", 8, small_gpu, batch=8, seq=16, options=PlanOptions(**base, zero=(0,)), cache_dir=cache)
+    assert "--zero" not in plain.best_flags and all(p.zero == 0 for p in plain.plans)

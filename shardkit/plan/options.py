@@ -35,10 +35,15 @@ class Plan:
     compiled: bool = True
     estimated_step_seconds: float | None = None
     estimated_memory: float | None = None
+    zero: int = 0  # ZeRO stage over the data axis
 
     def cli_flags(self) -> str:
         flags = f"--layout {self.layout} --microbatches {self.microbatches} --remat {self.remat}"
-        return flags + (f" --schedule {self.schedule}" if self.schedule else "")
+        return (
+            flags
+            + (f" --schedule {self.schedule}" if self.schedule else "")
+            + (f" --zero {self.zero}" if self.zero else "")
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,9 +29,9 @@ def plan_of(job: Candidate, budget: float, hw: Hardware, compute_dtype: str, unf
         schedule=job.schedule, estimated_step_seconds=est.step_seconds, estimated_memory=est.memory_bytes
     )
     if unfinished or not job.results:
-        remat, mb = job.settings[0]
+        remat, mb, zero = job.settings[0]
         note = "not compiled: interrupted" if unfinished else f"compile failed: {job.error}"
-        return Plan(job.spec, mb, remat, False, est.memory_bytes, {}, note=note, compiled=False, **common)
+        return Plan(job.spec, mb, remat, False, est.memory_bytes, {}, note=note, compiled=False, zero=zero, **common)
     result = job.results[-1]
     fields = result["config"]
     fits = result["memory"]["total"] <= budget
@@ -51,6 +51,7 @@ def plan_of(job: Candidate, budget: float, hw: Hardware, compute_dtype: str, unf
         t["step_seconds_overlap"],
         t["mfu"],
         note=note,
+        zero=fields.get("zero", 0),
         **common,
     )
 
@@ -81,7 +82,7 @@ def _facts_of(model: ModelSource, options: PlanOptions) -> tuple[ModelFacts, str
 
 def _estimated_row(c: Candidate) -> Plan:
     """The table row of a layout priced but not compiled (slower by the estimate than those that were)."""
-    remat, mb = c.settings[0]
+    remat, mb, zero = c.settings[0]
     est = c.estimate
     return Plan(
         c.spec,
@@ -95,6 +96,7 @@ def _estimated_row(c: Candidate) -> Plan:
         compiled=False,
         estimated_step_seconds=est.step_seconds,
         estimated_memory=est.memory_bytes,
+        zero=zero,
     )
 
 
@@ -102,7 +104,7 @@ def _take_from_cache(question: Question, chosen: list[Candidate], cache: DryRunC
     """Give each chosen layout its dry runs to compile, less what the cache already knows."""
     budget = question.budget
     for c in chosen:
-        configs = [question.dry_run(c.spec, r, mb, c.schedule) for r, mb in c.settings[:MAX_COMPILES_PER_LAYOUT]]
+        configs = [question.dry_run(c.spec, setting, c.schedule) for setting in c.settings[:MAX_COMPILES_PER_LAYOUT]]
         for cfg in configs:
             cached = cache.get(cfg, question.facts.fingerprint)
             if cached is None:

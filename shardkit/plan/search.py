@@ -8,7 +8,7 @@ import functools
 import hashlib
 import itertools
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -169,11 +169,27 @@ def spec_of(shape: dict[str, int]) -> str:
     return ",".join(f"{a}={s}" for a, s in shape.items() if s > 1) or "data=1"
 
 
-def settings_of(options: PlanOptions, shape: dict[str, int], batch: int, schedule: str | None) -> list[tuple[str, int]]:
-    """Remat policies and microbatch counts this layout's batch split allows, cheapest first."""
+class Setting(NamedTuple):
+    """One way to run a layout: the remat policy, the microbatches and the ZeRO stage."""
+
+    remat: str
+    microbatches: int
+    zero: int = 0
+
+
+def settings_of(options: PlanOptions, shape: dict[str, int], batch: int, schedule: str | None) -> list[Setting]:
+    """Remat policies, microbatch counts and ZeRO stages this layout's batch split allows,
+    cheapest first (ZeRO only where there is a data axis to split the optimizer state over)."""
     counts = sorted(options.microbatches, reverse=schedule is not None)
     rows = shape["data"] * shape["fsdp"] * shape["expert"]
-    return [(remat, mb) for remat in options.remat for mb in counts if batch % (rows * mb) == 0]
+    stages = options.zero if shape["data"] > 1 else (0,)
+    return [
+        Setting(remat, mb, zero)
+        for remat in options.remat
+        for mb in counts
+        if batch % (rows * mb) == 0
+        for zero in dict.fromkeys(stages)
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +222,7 @@ class Question:
     def compute_dtype(self) -> str:
         return jax.numpy.dtype(self.precision.compute).name
 
-    def estimate(self, shape: dict[str, int], remat: str, microbatches: int, schedule: str | None) -> Estimate:
+    def estimate(self, shape: dict[str, int], setting: Setting, schedule: str | None) -> Estimate:
         """The analytic estimate of one setting of one layout."""
         precision = self.precision
         assert self.facts.sizes is not None
@@ -220,13 +236,14 @@ class Question:
             compute_itemsize=jax.numpy.dtype(precision.compute).itemsize,
             # What the compiled step gathers and reduces: the fp32 master copy and its gradients, if any.
             comm_itemsize=jax.numpy.dtype(precision.master or precision.params).itemsize,
-            remat=remat,
-            microbatches=microbatches,
+            remat=setting.remat,
+            microbatches=setting.microbatches,
             schedule=schedule,
             optimizer_bytes=self.optimizer_bytes,
+            zero=setting.zero,
         )
 
-    def dry_run(self, spec: str, remat: str, microbatches: int, schedule: str | None) -> DryRunConfig:
+    def dry_run(self, spec: str, setting: Setting, schedule: str | None) -> DryRunConfig:
         """The dry run that compiles one setting of one layout."""
         return DryRunConfig(
             model=self.model_name,
@@ -234,9 +251,10 @@ class Question:
             batch=self.batch,
             seq=self.seq,
             precision=self.precision.name,
-            microbatches=microbatches,
-            remat=remat,
+            microbatches=setting.microbatches,
+            remat=setting.remat,
             schedule=schedule,
+            zero=setting.zero,
         )
 
 
@@ -247,7 +265,7 @@ class Candidate:
     shape: dict[str, int]
     spec: str
     schedule: str | None
-    settings: list[tuple[str, int]]  # (remat, microbatches), from the one the estimate chose
+    settings: list[Setting]  # from the one the estimate chose
     estimate: Estimate  # at settings[0]
     configs: list[DryRunConfig] = dataclasses.field(default_factory=list)
     results: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -268,7 +286,7 @@ def price(question: Question, layouts: list[dict[str, int]]) -> tuple[list[Plan]
         settings = settings_of(question.options, shape, question.batch, schedule)
         if not settings:
             continue
-        estimates = [question.estimate(shape, remat, mb, schedule) for remat, mb in settings]
+        estimates = [question.estimate(shape, setting, schedule) for setting in settings]
         least = min(estimates, key=lambda e: e.memory_bytes)
         first = next((i for i, e in enumerate(estimates) if e.memory_bytes <= budget * MEMORY_SLACK), None)
         if first is not None:
@@ -280,8 +298,10 @@ def price(question: Question, layouts: list[dict[str, int]]) -> tuple[list[Plan]
             else f"estimated {size_text(least.memory_bytes)} per device at best, "
             f"{size_text(least.memory_bytes - budget)} over the budget (not compiled)"
         )
-        remat, mb = settings[estimates.index(least)]
+        remat, mb, zero = settings[estimates.index(least)]
         pruned.append(
-            Plan(spec, mb, remat, False, least.memory_bytes, {}, note=note, schedule=schedule, compiled=False)
+            Plan(
+                spec, mb, remat, False, least.memory_bytes, {}, note=note, schedule=schedule, compiled=False, zero=zero
+            )
         )
     return pruned, sorted(candidates, key=lambda c: c.estimate.step_seconds)

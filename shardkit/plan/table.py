@@ -45,7 +45,7 @@ def format_plans(result: Mapping[str, Any], top: int = 15) -> str:
         detail = moved if p.get("compiled", True) else f"{p['note']}" + (f"; est. {moved}" if moved else "")
         fits = ("yes" if p["fits"] else "no") + ("" if p.get("compiled", True) else "?")
         lines.append(
-            f"{i:4d}  {p['layout']:28s} {p['microbatches']:3d} {p['remat']:6s} {p['memory_per_device'] / 1e9:7.2f} "
+            f"{i:4d}  {layout_text(p):28s} {p['microbatches']:3d} {p['remat']:6s} {p['memory_per_device'] / 1e9:7.2f} "
             f"{fits:5s} {step} {over} {mfu}  {detail or '-'}"
         )
     if len(result["plans"]) > top:
@@ -57,6 +57,11 @@ def format_plans(result: Mapping[str, Any], top: int = 15) -> str:
     else:
         lines.append("no plan fits in memory: more devices, a smaller batch, or more microbatches")
     return "\n".join(lines)
+
+
+def layout_text(row: Mapping[str, Any]) -> str:
+    """A plan's layout as the table shows it, with its ZeRO stage when it has one."""
+    return row["layout"] + (f" zero{row['zero']}" if row.get("zero") else "")
 
 
 def parse_ints(text: str) -> tuple[int, ...]:
