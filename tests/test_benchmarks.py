@@ -80,6 +80,18 @@ def test_checkpoint_stall_benchmark_small(tmp_path):
 
 
 @pytest.mark.slow
+def test_zero_benchmark_small(tmp_path):
+    out = run(
+        sys.executable, "benchmarks/zero.py", "--model", "tiny", "--seq", "32", "--json", str(tmp_path / "z.json")
+    )
+    rows = {r["stage"]: r for r in json.loads((tmp_path / "z.json").read_text())["rows"]}
+    for row in rows.values():  # the compiled state is ZeRO's formula for every stage
+        assert abs(row["state_MB"] - row["formula_state_MB"]) < 0.01 * row["formula_state_MB"]
+    assert rows["ZeRO-1"]["state_MB"] < rows["data (ZeRO-0)"]["state_MB"] / 3
+    assert "ZeRO-2" in out
+
+
+@pytest.mark.slow
 def test_pipeline_benchmark_small(tmp_path):
     out = run(sys.executable, "benchmarks/pipeline.py", "--quick", "--json", str(tmp_path / "p.json"))
     result = json.loads((tmp_path / "p.json").read_text())
