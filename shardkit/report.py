@@ -43,6 +43,7 @@ class CompiledStep(Protocol):
     precision: Precision
     microbatches: int
     param_specs: Any
+    update_specs: Any  # where the optimizer's copies live (param_specs, plus data under ZeRO)
     state_shardings: Any
 
     def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled: ...
@@ -219,7 +220,8 @@ def build_report(trainer: CompiledStep, batch: dict[str, Any], compile_seconds: 
         precision=trainer.precision.name,
         microbatches=trainer.microbatches,
         parameters=int(param_count),
-        collectives=tuple(collective_stats(text, trainer.mesh, trainer.param_specs, abstract.params)),
+        # Gradients are reduced to where the optimizer's copies live: over data too under ZeRO.
+        collectives=tuple(collective_stats(text, trainer.mesh, trainer.update_specs, abstract.params)),
         memory=memory,
         flops_per_device=hlo.dot_flops(text),
         model_flops_per_step=model_flops,

@@ -177,6 +177,7 @@ class Trainer:
         self.mesh, self.rules = self.plan.mesh, self.plan.rules
         self.abstract_params, self.param_specs = self.plan.abstract_params, self.plan.param_specs
         self.state_specs, self.state_shardings = self.plan.state_specs, self.plan.state_shardings
+        self.update_specs = self.plan.update_specs
         self.fallbacks = list(self.plan.fallbacks)
         self.vocab = vocab_size(self.abstract_params, model.axes)
         if self.schedule is not None:

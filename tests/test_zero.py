@@ -49,11 +49,19 @@ def test_zero_memory_per_device_is_zeros_formula():
     assert temp[2] <= temp[1]  # the gradients of stage 2 are never whole (on CPU: reduced, then sliced)
 
 
-def test_zero_all_gathers_the_updated_parameters_over_data():
-    counts = {}
-    for zero in (0, 1):
+def test_zero_reduce_scatters_gradients_and_all_gathers_parameters_over_data():
+    """Data parallelism all-reduces the gradients; ZeRO reduce-scatters them to the optimizer's
+    shards and all-gathers the updated parameters: the same bytes (the layout's bound)."""
+    kinds, ratio = {}, {}
+    for zero in (0, 1, 2):
         trainer = sk.Trainer(TINY.model(), optax.adamw(1e-3), "data=8", zero=zero)
         report = trainer.report(BATCH)
-        counts[zero] = sum(c.count for c in report.collectives if c.kind == "all-gather" and c.axes == ("data",))
+        over_data = [c for c in report.collectives if c.axes == ("data",)]
+        kinds[zero] = {k: sum(c.count for c in over_data if c.kind == k) for k in ("all-gather", "reduce-scatter")}
+        ratio[zero] = report.ratios["bytes"]
         assert hlo.dot_flops(trainer.compile(BATCH).as_text()) > 0
-    assert counts[0] == 0 and counts[1] >= len(jax.tree.leaves(trainer.abstract_params)) // 2
+    leaves = len(jax.tree.leaves(trainer.abstract_params))
+    assert kinds[0] == {"all-gather": 0, "reduce-scatter": 0}
+    for zero in (1, 2):
+        assert kinds[zero]["all-gather"] >= leaves // 2 and kinds[zero]["reduce-scatter"] >= 1
+        assert ratio[zero] <= 1.05 * ratio[0]
