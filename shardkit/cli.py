@@ -275,7 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.command == "train":
             from shardkit import distributed
+            from shardkit.xla_flags import use_overlap_flags
 
+            use_overlap_flags()  # GPUs overlap collectives with compute; the CPU ignores these flags
             if distributed.initialize() is None:  # joins the other processes when launched as several
                 _use_simulated_devices_if_no_accelerator(_devices_for(args.layout, args.devices))
             from shardkit.run import train

@@ -85,6 +85,7 @@ class Collective:
     line: str
     executions: int = 1
     shapes: tuple[tuple[int, ...], ...] = ()  # result array shape(s); several for a combined op
+    asynchronous: bool = False  # a ``-start`` of a start/done pair: it may overlap compute
 
     @property
     def group_size(self) -> int:
@@ -259,6 +260,7 @@ def collectives(hlo: str | Program) -> list[Collective]:
                 line=ins.line.strip(),
                 executions=program.runs(ins),
                 shapes=tuple(tuple(int(x) for x in a["dims"].split(",") if x) for a in _ARRAY.finditer(m["shape"])),
+                asynchronous=bool(m["start"]),
             )
         )
     return out
@@ -291,15 +293,12 @@ def sliced_results(hlo: str | Program) -> tuple[set[str], set[str]]:
     return sliced, stacked
 
 
-_DOT = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\S+)\s+dot\(%(?P<lhs>[\w.\-]+),")
 # GPU backends rewrite matmuls into library calls: cuBLAS (``__cublas$gemm``, ``__cublas$lt$matmul``)
 # and hipBLAS; their dimension numbers sit in the backend config.
-_GEMM_CALL = re.compile(
-    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+custom-call\(%(?P<lhs>[\w.\-]+),"
-    r'.*custom_call_target="(?P<target>__cublas\$gemm|__cublas\$lt\$matmul\w*|__hipblas\$gemm\w*|__hipblaslt\$\w*)"'
+_GEMM_TARGET = re.compile(
+    r'custom_call_target="(?:__cublas\$gemm|__cublas\$lt\$matmul\w*|__hipblas\$gemm\w*|__hipblaslt\$\w*)"'
 )
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[(?P<dims>[^\]]*)\]')
-_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>[a-z0-9]+\[[\d,]*\])")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
 
 
@@ -335,7 +334,7 @@ def dot_flops(hlo: str | Program) -> float:
             continue
         contracting = (_CONTRACTING if ins.opcode == "dot" else _GEMM_CONTRACTING).search(ins.line)
         lhs = shapes.get((ins.computation, ins.references[0])) if ins.references else None
-        if lhs is None or contracting is None or (library and not _GEMM_CALL.match(ins.line)):
+        if lhs is None or contracting is None or (library and not _GEMM_TARGET.search(ins.line)):
             unread += 1
             continue
         k = math.prod(lhs[int(i.strip().strip('"'))] for i in contracting["dims"].split(",") if i.strip())

@@ -105,9 +105,9 @@ def collective_stats(
             kind, lowered = "reduce-scatter", "all-reduce+dynamic-slice"
         payload = c.payload_bytes * (n if c.kind == "reduce-scatter" else 1)
         crosses = any(len({host_of[i] for i in g if i < len(host_of)}) > 1 for g in c.groups)
-        groups[(kind, axes, op, direction, n, lowered, crosses)].append((c.executions, payload))
+        groups[(kind, axes, op, direction, n, lowered, crosses, c.asynchronous)].append((c.executions, payload))
     stats = []
-    for (kind, axes, op, direction, n, lowered, crosses), items in groups.items():
+    for (kind, axes, op, direction, n, lowered, crosses, asynchronous), items in groups.items():
         count = sum(e for e, _ in items)
         total = sum(e * p for e, p in items)
         stats.append(
@@ -122,6 +122,7 @@ def collective_stats(
                 moved_bytes(kind, total, n),
                 lowered,
                 crosses,
+                asynchronous,
             )
         )
     return sorted(stats, key=lambda c: (c.kind, c.axes, c.op))

@@ -67,6 +67,8 @@ class CollectiveStat:
       moved_bytes: bytes sent per device per step (ring formula x count).
       lowered_as: how the backend spelled it, when different from ``kind``.
       crosses_hosts: its replica groups hold devices of several processes (the slow network).
+      asynchronous: compiled as a start/done pair, so it can overlap compute (GPU backends with
+        :mod:`shardkit.xla_flags`; the CPU backend runs every collective synchronously).
     """
 
     kind: str
@@ -79,6 +81,7 @@ class CollectiveStat:
     moved_bytes: float
     lowered_as: str = ""
     crosses_hosts: bool = False
+    asynchronous: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,11 +197,15 @@ class Report:
             f"{'collective':16s} {'axes':16s} {'dir':4s} {'count':>5s} {'MB moved':>10s}  op",
         ]
         for c in sorted(self.collectives, key=lambda c: -c.moved_bytes):
-            kind = c.kind + ("*" if c.lowered_as else "")
+            kind = c.kind + ("*" if c.lowered_as else "") + (" (async)" if c.asynchronous else "")
             axes = ("+".join(c.axes) or "-") + (" [hosts]" if c.crosses_hosts else "")
             lines.append(f"{kind:16s} {axes:16s} {c.direction[:3]:4s} {c.count:5d} {c.moved_bytes / 1e6:10.3f}  {c.op}")
         if any(c.lowered_as for c in self.collectives):
             lines.append(f"* lowered on {self.backend} as all-reduce + dynamic-slice; GPU backends emit reduce-scatter")
+        overlapped = sum(c.count for c in self.collectives if c.asynchronous)
+        lines.append(
+            f"asynchronous (start/done, may overlap compute): {overlapped} of {sum(c.count for c in self.collectives)}"
+        )
         m = self.memory
         lines += [
             "",

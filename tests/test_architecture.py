@@ -13,6 +13,7 @@ LAYERS = {
         "_lazy",
         "errors",
         "error_sites",
+        "xla_flags",
         "orbax_logs",
         "flags",
         "config",

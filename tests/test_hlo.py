@@ -5,6 +5,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -152,3 +153,44 @@ def test_the_program_is_parsed_once_into_typed_instructions():
     dots = [i for i in program.instructions if i.opcode == "dot"]
     assert dots and all(i.references and i.computation for i in dots)
     assert hlo.dot_flops(program) == hlo.dot_flops(text) > 0
+
+
+def test_asynchronous_collectives_are_read_as_start_done_pairs():
+    """A GPU program (XLA's text format, written by hand: no GPU here) runs its collectives as
+    start/done pairs; each pair is one collective, marked asynchronous, with the result's bytes."""
+    text = (FIXTURES / "gpu_async_collectives.hlo").read_text()
+    found = hlo.collectives(text)
+    assert [(c.kind, c.asynchronous, c.payload_bytes) for c in found] == [
+        ("all-gather", True, 64 * 512 * 4),
+        ("all-reduce", True, 64 * 512 * 4),
+    ]
+    assert hlo.dot_flops(text) == 2 * 64 * 64 * 512  # the cuBLAS gemm between them
+    trainer = sk.Trainer(sk.models.GPTConfig.preset("tiny").model(), optax.sgd(0.1), "fsdp=8")
+    cpu = hlo.collectives(trainer.compile({"tokens": np.zeros((8, 17), np.int32)}).as_text())
+    assert cpu and not any(c.asynchronous for c in cpu)  # the CPU backend runs them synchronously
+
+
+def test_the_overlap_flags_are_known_to_this_xla_and_keep_the_users_values(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from shardkit.xla_flags import OVERLAP_FLAGS, use_overlap_flags, with_overlap_flags
+
+    mine = with_overlap_flags(
+        "--xla_gpu_enable_latency_hiding_scheduler=false --xla_force_host_platform_device_count=8"
+    )
+    assert mine.count("xla_gpu_enable_latency_hiding_scheduler") == 1 and "scheduler=false" in mine
+    assert all(f"--{name}=" in mine for name in OVERLAP_FLAGS)
+    # XLA aborts on an unknown flag: a fresh process with all of them compiles an FSDP step on CPU.
+    code = (
+        "import shardkit as sk, optax, numpy as np; sk.simulate_devices(8); "
+        "t = sk.Trainer(sk.models.GPTConfig.preset('tiny').model(), optax.sgd(0.1), 'fsdp=8'); "
+        "print(t.compile({'tokens': np.zeros((8, 17), np.int32)}).memory_analysis() is not None)"
+    )
+    env = {**os.environ, "XLA_FLAGS": with_overlap_flags("")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]
+    environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    assert use_overlap_flags(environ) is False  # this process's backend has started: nothing changes
+    assert environ == {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}

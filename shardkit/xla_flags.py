@@ -1,0 +1,64 @@
+"""The XLA flags that let a GPU overlap collectives with compute: the one place shardkit sets
+them. On a GPU, XLA runs collectives asynchronously (``all-gather-start`` ... ``-done`` pairs
+in the compiled program) and its latency-hiding scheduler moves the starts early and the dones
+late, so that FSDP's parameter gathers and the gradients' reduce-scatters run under the layers'
+matmuls; combining small collectives into large ones and pipelining them across loop iterations
+(a scanned layer stack) gives the scheduler room to do so. These are the flags MaxText and
+Levanter set for GPU training.
+
+The CPU backend ignores every ``xla_gpu_*`` flag and runs collectives synchronously, so the
+CPU-compiled programs of the tests have no start/done pairs; :attr:`shardkit.hlo.Collective.asynchronous`
+reads them where a backend emits them.
+
+Example:
+  >>> with_overlap_flags("--xla_gpu_enable_latency_hiding_scheduler=false").split()[0]
+  '--xla_gpu_enable_latency_hiding_scheduler=false'
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+_COMBINE_BYTES = str(128 * 2**20)  # gather and reduce up to 128 MiB at once (a layer of a 7B model)
+
+OVERLAP_FLAGS: dict[str, str] = {
+    # Schedule collectives by their cost model: starts early, dones late, under compute.
+    "xla_gpu_enable_latency_hiding_scheduler": "true",
+    # Collectives on their own high-priority stream, so compute does not delay them.
+    "xla_gpu_enable_highest_priority_async_stream": "true",
+    # One large collective instead of many small ones (per-layer parameters are small).
+    "xla_gpu_all_gather_combine_threshold_bytes": _COMBINE_BYTES,
+    "xla_gpu_all_reduce_combine_threshold_bytes": _COMBINE_BYTES,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": _COMBINE_BYTES,
+    # Inside a scanned layer stack: gather the next layer's parameters (and scatter the previous
+    # layer's gradients) while this layer computes.
+    "xla_gpu_enable_pipelined_all_gather": "true",
+    "xla_gpu_enable_pipelined_reduce_scatter": "true",
+    "xla_gpu_enable_pipelined_all_reduce": "true",
+    "xla_gpu_enable_while_loop_double_buffering": "true",
+}
+
+
+def with_overlap_flags(xla_flags: str) -> str:
+    """``xla_flags`` with each of :data:`OVERLAP_FLAGS` the user has not set already appended
+    (a flag the user set keeps the user's value)."""
+    given = {part.lstrip("-").split("=", 1)[0] for part in xla_flags.split()}
+    extra = [f"--{name}={value}" for name, value in OVERLAP_FLAGS.items() if name not in given]
+    return " ".join([*xla_flags.split(), *extra])
+
+
+def use_overlap_flags(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Put :data:`OVERLAP_FLAGS` into ``XLA_FLAGS`` before JAX starts its backend (XLA reads the
+    variable once). Returns False, changing nothing, when the backend has already started.
+
+    ``shardkit train`` and ``shardkit launch`` call it; a script of your own calls it first thing,
+    before any JAX array exists.
+    """
+    import sys
+
+    xla_bridge = sys.modules.get("jax._src.xla_bridge")
+    if xla_bridge is not None and xla_bridge.backends_are_initialized():
+        return False
+    environ["XLA_FLAGS"] = with_overlap_flags(environ.get("XLA_FLAGS", ""))
+    return True
