@@ -143,7 +143,8 @@ def lower_bound(
     layers: int = 0,
     activation_bytes: float = 0.0,
 ) -> dict[str, float]:
-    """The least a layout must move and hold per device (ring collectives, ZeRO, Megatron).
+    """The least a layout must move and hold per device (ring collectives, ZeRO, Megatron, and a
+    pipeline's sends between stages).
 
     Args:
       layout_shape: mesh axis sizes.
@@ -151,7 +152,8 @@ def lower_bound(
       state_bytes: bytes of the whole model state (params, optimizer state, master copy).
       layers: transformer layers (for the tensor-parallel term).
       activation_bytes: bytes of one layer's ``(batch, seq, hidden)`` activation of one
-        tensor-parallel group (global batch / (data x fsdp)).
+        tensor-parallel group (global batch / (data x fsdp)), summed over microbatches: also what
+        crosses a stage boundary.
 
     Returns:
       ``{"bytes_per_device", "state_memory_per_device", plus each term}``.
@@ -166,6 +168,11 @@ def lower_bound(
         "data": moved_bytes("all-reduce", per_tensor_shard / f, d),
         # Megatron: 2 all-reduces forward and 2 backward per layer of (b, s, h) activations.
         "tensor": 4 * layers * moved_bytes("all-reduce", activation_bytes, t),
+        # Pipeline: each microbatch's boundary activation goes to the next stage, its gradient
+        # comes back (collective-permutes; a lock-step schedule also sends in its bubbles).
+        "stage": 2 * moved_bytes("collective-permute", activation_bytes, 2)
+        if layout_shape.get("stage", 1) > 1
+        else 0.0,
     }
     return {
         "bytes_per_device": sum(terms.values()),

@@ -255,3 +255,17 @@ def test_collective_report_on_a_non_gpt_model_needs_no_model_facts():
     assert report.lower_bound["bytes_tensor"] == 0
     assert hlo.count(trainer.compile({"x": jnp.zeros((16, 32)), "y": jnp.zeros((16, 64))}).as_text())["all-gather"]
     np.testing.assert_allclose(report.memory.params, 32 * 64 * 4 / 8 + 64 * 4, rtol=0.01)
+
+
+def test_the_bound_counts_a_pipelines_sends_between_stages():
+    """Each microbatch's boundary activation forward and its gradient back: the compiled
+    lock-step pipeline sends at least that, and at most that times its ticks per microbatch."""
+    m, p = 4, 2
+    result = sk.dryrun("tiny", layout="data=2,stage=2,tensor=2", batch=16, seq=64, microbatches=m)
+    bound, measured = result["lower_bound"]["bytes_stage"], result["bytes_by_axes"]["stage"]
+    per_group_rows = 16 / 2  # the batch split over data
+    activation = per_group_rows * 64 * GPTConfig.preset("tiny").dim * 4  # (rows, seq, dim) in fp32
+    assert bound == 2 * activation
+    assert bound <= measured <= bound * (m + p - 1) / m * 1.2
+    plain = sk.dryrun("tiny", layout="data=4,tensor=2", batch=16, seq=64)
+    assert plain["lower_bound"]["bytes_stage"] == 0.0
