@@ -6,6 +6,7 @@ for) against the time until the checkpoint is on disk, and steps run while it is
 
 import argparse
 import tempfile
+import threading
 import time
 
 import shardkit as sk
@@ -16,6 +17,28 @@ import optax
 from _results import write_json
 
 from shardkit.checkpoint import Checkpointer
+
+
+class RssPeak:
+    """The process's resident memory, sampled every 5 ms: its peak since :meth:`reset`."""
+
+    def __init__(self):
+        self.peak, self.stop = 0, threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def _run(self):
+        while not self.stop.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.005)
+
+    def reset(self) -> int:
+        self.peak = self.now()
+        return self.peak
 
 
 def main():
@@ -46,6 +69,13 @@ def main():
         steps_during_write += 1
     on_disk = time.perf_counter() - t
     ckpt.close()
+    # Host memory a save adds: its peak (no step running meanwhile) over the memory before it.
+    rss = RssPeak()
+    ckpt = Checkpointer(tempfile.mkdtemp(), keep=1)
+    before = rss.reset()
+    ckpt.save(trainer, state, data_position=3, force=True)
+    ckpt.close()
+    save_peak = rss.peak - before
     state_mb = sum(x.size * x.dtype.itemsize for x in __import__("jax").tree.leaves(state)) / 1e6
     result = {
         "model": args.model,
@@ -55,10 +85,15 @@ def main():
         "save_call_seconds": save_returned,
         "until_on_disk_seconds": on_disk,
         "steps_run_while_writing": steps_during_write,
+        "rss_before_save_mb": before / 1e6,
+        "save_added_rss_mb": save_peak / 1e6,
+        "save_added_rss_over_state": save_peak / (state_mb * 1e6),
     }
     print(
         f"state {state_mb:.0f} MB: save() returned after {save_returned:.3f} s, on disk after {on_disk:.3f} s; "
-        f"{steps_during_write} training steps ({step_s:.3f} s each) ran while it was written"
+        f"{steps_during_write} training steps ({step_s:.3f} s each) ran while it was written; "
+        f"a save alone added {save_peak / 1e6:.0f} MB of host memory ({save_peak / (state_mb * 1e6):.2f}x the state) "
+        f"to the {before / 1e6:.0f} MB resident before it"
     )
     write_json(args.json, result)
 
