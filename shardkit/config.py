@@ -92,6 +92,10 @@ class TrainConfig:
         "resume although the schedule (--lr, --warmup, --weight-decay, --lr-schedule, --clip, --b2, --steps, "
         "--optimizer) differs from the checkpoint's",
     )
+    eval_every: int = setting(
+        0, "evaluate on the held-out split (the text's last 5%, never trained on) every N steps and at the end (0: off)"
+    )
+    eval_batches: int = setting(4, "batches of the held-out split per evaluation")
     sample_tokens: int = setting(200, "tokens to generate at the end")
     prompt: str = setting("def ", "the prompt of the sample")
     run_dir: str | None = setting(
@@ -137,11 +141,11 @@ class TrainConfig:
             raise InputError(f"--zero {self.zero}: give a ZeRO stage 0, 1 or 2 (stage 3 is --layout fsdp=N).")
         if not 0.0 < self.b2 < 1.0:
             raise InputError(f"--b2 must be in (0, 1), e.g. 0.95 or 0.999, got {self.b2}.")
-        for name, least in (("microbatches", 1), ("virtual_stages", 1), ("keep_checkpoints", 1)):
+        for name, least in (("microbatches", 1), ("virtual_stages", 1), ("keep_checkpoints", 1), ("eval_batches", 1)):
             if getattr(self, name) < least:
                 flag = "--" + name.replace("_", "-")
                 raise InputError(f"{flag} must be at least {least}, got {getattr(self, name)}.")
-        for name in ("checkpoint_every", "sample_tokens"):
+        for name in ("checkpoint_every", "sample_tokens", "eval_every"):
             if getattr(self, name) < 0:
                 flag = "--" + name.replace("_", "-")
                 raise InputError(f"{flag} must be >= 0, got {getattr(self, name)}.")

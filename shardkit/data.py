@@ -146,6 +146,20 @@ class TextDataset:
         windows = np.stack([self.tokens[s : s + seq_len + 1] for s in mine]).astype(np.int32)
         return {"tokens": windows}
 
+    def split(self, held_out: float = 0.05) -> tuple[TextDataset, TextDataset]:
+        """``(train, held_out)``: the text cut in two at ``1 - held_out`` of its tokens, so no
+        window of the held-out part was trained on.
+
+        Example:
+          >>> train, test = TextDataset.from_bytes(b"x" * 1000).split(0.1)
+          >>> len(train.tokens), len(test.tokens)
+          (900, 100)
+        """
+        if not 0.0 < held_out < 1.0:
+            raise InputError(f"TextDataset.split: held_out={held_out!r}; give a fraction in (0, 1), e.g. 0.05.")
+        cut = round(len(self.tokens) * (1 - held_out))
+        return TextDataset(self.tokens[:cut], self.seed), TextDataset(self.tokens[cut:], self.seed)
+
     def decode(self, tokens: np.ndarray) -> str:
         return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
 

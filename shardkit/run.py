@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import sys
@@ -148,6 +149,8 @@ class _Loop:
     stopped_after: int | None = None
     signal: tuple[int, str | None] | None = None  # (number, name) of the signal that stopped it
     last_batch: Any = None
+    steps_done: int = 0  # the step number of the state
+    evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, held-out loss)
 
 
 def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
@@ -216,6 +219,29 @@ def _start_or_resume(
     return ckpt, state, first_step
 
 
+HELD_OUT = 0.05  # the fraction of the text kept for evaluation when --eval-every is set
+
+
+def _evaluate(cfg: TrainConfig, trainer: Trainer, held_out: TextDataset, params: Any) -> float:
+    """Mean loss over ``cfg.eval_batches`` fixed batches of the held-out text (each process reads
+    its rows), weighted by the tokens each scored."""
+    rows, total, tokens = trainer.local_rows(cfg.batch), 0.0, 0
+    for i in range(cfg.eval_batches):
+        result = trainer.evaluate(params, trainer.shard_batch(held_out.batch(i, cfg.batch, cfg.seq, rows=rows)))
+        count = int(result["tokens"])
+        total, tokens = total + float(result["loss"]) * count, tokens + count
+    return total / max(tokens, 1)
+
+
+def _held_out_record(cfg: TrainConfig, trainer: Trainer, held_out: TextDataset, loop: _Loop, out: TextIO) -> dict:
+    """Evaluate now: print the held-out loss and perplexity; their fields of the step's log line."""
+    step = loop.steps_done
+    loss = _evaluate(cfg, trainer, held_out, loop.state.params)
+    loop.evals.append((step, loss))
+    print(f"eval at step {step}: held-out loss {loss:.4f}, perplexity {math.exp(loss):.2f}", file=out)
+    return {"eval_loss": loss, "eval_perplexity": math.exp(loss)}
+
+
 def _steps(
     cfg: TrainConfig,
     trainer: Trainer,
@@ -224,6 +250,7 @@ def _steps(
     run: dict[str, dict[str, Any]],
     bar: Progress | None,
     out: TextIO,
+    held_out: TextDataset | None = None,
 ) -> _Loop:
     """Run the steps from the first one to ``cfg.steps``: log, save, and stop politely on a signal."""
     ckpt, state, first_step = start
@@ -248,10 +275,13 @@ def _steps(
                 loop.skipped.append(step + 1)
                 print(f"step {step + 1}: loss {loss}: non-finite, not applied", file=out)
             loop.losses.append(loss)
+            loop.steps_done = step + 1
+            due = held_out is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
+            evaluated = _held_out_record(cfg, trainer, held_out, loop, out) if due and held_out is not None else {}
             if log is not None:
-                grad_norm = float(metrics["grad_norm"])
                 record = {"step": step + 1, "loss": loss, "tokens_per_s": step_tokens / seconds}
-                log.write(json.dumps({**record, "grad_norm": grad_norm, "seconds": seconds}) + "\n")
+                record |= {"grad_norm": float(metrics["grad_norm"]), "seconds": seconds, **evaluated}
+                log.write(json.dumps(record) + "\n")
                 log.flush()
             if bar is not None:
                 bar.update(step + 1, loss, seconds)
@@ -301,6 +331,9 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
     if not is_primary():  # several processes, one program: process 0 speaks for all
         out = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the run
     dataset, trainer = _trainer_for(cfg, out)
+    held_out = None
+    if cfg.eval_every:  # the last 5% of the text is never trained on
+        dataset, held_out = dataset.split(HELD_OUT)
     if cfg.run_dir:  # everything is checked: now the run directory may be written
         cfg = run_dir.prepare(cfg)
     run = run_fingerprint(cfg, dataset)
@@ -308,7 +341,7 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
     bar = Progress(cfg.steps, cfg.batch * cfg.seq, first=first_step) if progress and is_primary() else None
     if bar is not None and first_step < cfg.steps:
         bar.note(f"compiling the train step ({trainer.layout.spec()}, batch {cfg.batch} x seq {cfg.seq})")
-    loop = _steps(cfg, trainer, dataset, start, run, bar, out)
+    loop = _steps(cfg, trainer, dataset, start, run, bar, out, held_out)
     devices, layout = trainer.mesh.devices.size, trainer.layout.spec()
     if loop.stopped_after is not None and loop.signal is not None:
         if ckpt is not None:
@@ -345,6 +378,7 @@ def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) 
         "layout": layout,
         "devices": devices,
         "skipped_steps": loop.skipped,
+        "eval_losses": loop.evals,
         "state": loop.state,
         "trainer": trainer,
     }

@@ -131,6 +131,17 @@ def plain_grads(model: Model, loss: LossFn, precision: Precision) -> GradsFn:
     return grads
 
 
+def make_eval(model: Model, loss: LossFn, precision: Precision) -> Callable[[Params, Batch], tuple[Any, Any]]:
+    """``evaluate(params, batch) -> (mean loss, count)``: the forward in the compute dtype, without
+    dropout, gradients or optimizer state (a held-out loss)."""
+
+    def evaluate(params: Params, batch: Batch) -> tuple[Any, Any]:
+        compute_params = precision.cast_for_compute(params)
+        return loss(lambda inputs: model.apply(compute_params, inputs, None), batch)
+
+    return evaluate
+
+
 def split_microbatches(batch: Batch, k: int, plan: ShardingPlan) -> dict[str, jax.Array]:
     """``(B, ...) -> (K, B/K, ...)`` for every entry, microbatch ``i`` taking every K-th row from
     ``i``: each device keeps its own rows and no data moves; the rows stay sharded like the batch."""

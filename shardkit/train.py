@@ -35,6 +35,7 @@ from shardkit.steps import (
     NonFiniteError,
     accumulated_grads,
     halted,
+    make_eval,
     make_step,
     pipeline_schedule,
     pipelined_grads,
@@ -298,6 +299,29 @@ class Trainer:
         if key not in self._compiled:
             self._compiled[key] = self.lower(batch).compile()
         return self._compiled[key]
+
+    def evaluate(self, params: Any, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """The loss of ``params`` (a state's ``.params``) on ``batch``: no dropout, no gradients, and a
+        compiled program (once per batch shape) that holds no optimizer state.
+
+        Returns:
+          ``{"loss": mean loss, "tokens": tokens scored}``.
+        """
+        key = ("evaluate", *_batch_key(batch))
+        if key not in self._compiled:
+            batch_shardings = {k: NamedSharding(self.mesh, s) for k, s in self.batch_specs(batch).items()}
+            jitted = jax.jit(
+                make_eval(self.model, self.loss, self.precision),
+                in_shardings=(self.state_shardings.params, batch_shardings),
+                out_shardings=NamedSharding(self.mesh, PartitionSpec()),
+            )
+            abstract = {
+                k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k]) for k, v in batch.items()
+            }
+            with use_sharding(self.mesh, self.rules), self._mesh_context():
+                self._compiled[key] = jitted.lower(self.abstract_state().params, abstract).compile()
+        loss, count = self._compiled[key](params, batch)
+        return {"loss": loss, "tokens": count}
 
     def step(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step. ``state`` is donated: use the returned state from here on.
