@@ -96,6 +96,10 @@ class TrainConfig:
         0, "evaluate on the held-out split (the text's last 5%, never trained on) every N steps and at the end (0: off)"
     )
     eval_batches: int = setting(4, "batches of the held-out split per evaluation")
+    profile_steps: str | None = setting(
+        None, "capture a jax.profiler trace of steps A:B (e.g. 10:13; for TensorBoard's profile plugin or Perfetto)"
+    )
+    profile_dir: str = setting("profile", "where --profile-steps writes its trace (inside --run-dir when given)")
     sample_tokens: int = setting(200, "tokens to generate at the end")
     prompt: str = setting("def ", "the prompt of the sample")
     run_dir: str | None = setting(
@@ -139,6 +143,8 @@ class TrainConfig:
             raise InputError(f"--clip must be a finite number >= 0 (0: no clipping), got {self.clip}.")
         if self.zero not in (0, 1, 2):
             raise InputError(f"--zero {self.zero}: give a ZeRO stage 0, 1 or 2 (stage 3 is --layout fsdp=N).")
+        if self.profile_steps is not None:
+            self.profiled_steps()  # a malformed range is refused here, before anything runs
         if not 0.0 < self.b2 < 1.0:
             raise InputError(f"--b2 must be in (0, 1), e.g. 0.95 or 0.999, got {self.b2}.")
         for name, least in (("microbatches", 1), ("virtual_stages", 1), ("keep_checkpoints", 1), ("eval_batches", 1)):
@@ -174,6 +180,24 @@ class TrainConfig:
             )
         if (self.reset_optimizer or self.allow_schedule_change) and not (self.checkpoint_dir or self.run_dir):
             raise InputError("--reset-optimizer and --allow-schedule-change apply to a resume: add --checkpoint-dir.")
+
+    def profiled_steps(self) -> range:
+        """The steps ``--profile-steps A:B`` traces (0-based step numbers; empty when not set)."""
+        return _profile_range(self.profile_steps, self.steps) if self.profile_steps else range(0)
+
+
+def _profile_range(text: str, steps: int) -> range:
+    first, sep, last = text.partition(":")
+    try:
+        span = range(int(first), int(last)) if sep else None
+    except ValueError:
+        span = None
+    if span is None or not 0 < span.start < span.stop <= steps:
+        raise InputError(
+            f"--profile-steps {text}: give A:B with 0 < A < B <= --steps ({steps}), e.g. 10:13 (steps 10, 11 and 12; "
+            "step 0 compiles)."
+        )
+    return span
 
 
 @dataclasses.dataclass(frozen=True)

@@ -219,6 +219,28 @@ def _start_or_resume(
     return ckpt, state, first_step
 
 
+class _Profiler:
+    """A ``jax.profiler`` trace of the steps in ``steps`` (0-based), written to ``directory``."""
+
+    def __init__(self, steps: range, directory: str, out: TextIO):
+        self.steps, self.directory, self.out, self.active = steps, directory, out, False
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.steps.start:
+            jax.profiler.start_trace(self.directory)
+            self.active = True
+
+    def after(self, step: int) -> None:
+        if self.active and step + 1 == self.steps.stop:
+            self.close()
+            print(f"profile of steps {self.steps.start + 1}-{self.steps.stop} in {self.directory}", file=self.out)
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+
+
 HELD_OUT = 0.05  # the fraction of the text kept for evaluation when --eval-every is set
 
 
@@ -260,7 +282,11 @@ def _steps(
         log = None
         if cfg.json_log and is_primary():  # one writer, whatever the process count
             log = stack.enter_context(open_json_log(pathlib.Path(cfg.json_log), first_step))
+        directory = os.path.join(cfg.run_dir, cfg.profile_dir) if cfg.run_dir else cfg.profile_dir
+        profiler = _Profiler(cfg.profiled_steps(), directory, out)
+        stack.callback(profiler.close)  # a run stopped inside the range still writes its trace
         for step in range(first_step, cfg.steps):
+            profiler.before(step)
             loop.last_batch = batch = trainer.shard_batch(dataset.batch(step, cfg.batch, cfg.seq, rows=rows))
             began = time.perf_counter()
             try:
@@ -269,6 +295,7 @@ def _steps(
                 raise _halted(e, trainer, ckpt, cfg, step, run, out) from None
             loss = float(metrics["loss"])  # waits for the step
             seconds = time.perf_counter() - began
+            profiler.after(step)
             if step > first_step:  # the first step includes the compile
                 loop.timed_seconds, loop.timed_steps = loop.timed_seconds + seconds, loop.timed_steps + 1
             if "finite" in metrics and not bool(metrics["finite"]):
