@@ -100,6 +100,11 @@ class TrainConfig:
         None, "capture a jax.profiler trace of steps A:B (e.g. 10:13; for TensorBoard's profile plugin or Perfetto)"
     )
     profile_dir: str = setting("profile", "where --profile-steps writes its trace (inside --run-dir when given)")
+    tensorboard: str | None = setting(
+        None,
+        "write TensorBoard event files here (process 0): loss, learning rate, gradient norm, tokens/s, MFU, "
+        "held-out loss, memory per device",
+    )
     sample_tokens: int = setting(200, "tokens to generate at the end")
     prompt: str = setting("def ", "the prompt of the sample")
     run_dir: str | None = setting(
@@ -145,6 +150,10 @@ class TrainConfig:
             raise InputError(f"--zero {self.zero}: give a ZeRO stage 0, 1 or 2 (stage 3 is --layout fsdp=N).")
         if self.profile_steps is not None:
             self.profiled_steps()  # a malformed range is refused here, before anything runs
+        if self.tensorboard is not None:
+            from shardkit.tensorboard import check_available
+
+            check_available()
         if not 0.0 < self.b2 < 1.0:
             raise InputError(f"--b2 must be in (0, 1), e.g. 0.95 or 0.999, got {self.b2}.")
         for name, least in (("microbatches", 1), ("virtual_stages", 1), ("keep_checkpoints", 1), ("eval_batches", 1)):
@@ -155,6 +164,10 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 flag = "--" + name.replace("_", "-")
                 raise InputError(f"{flag} must be >= 0, got {getattr(self, name)}.")
+        self._check_run_files()
+
+    def _check_run_files(self) -> None:
+        """The log, run directory, checkpoint and resume flags: each usable, and together."""
         if self.json_log is not None:
             log = pathlib.Path(self.json_log)
             if log.is_dir():

@@ -46,8 +46,9 @@ class Progress:
     """
 
     def __init__(
-        self, total: int, tokens_per_step: int, *, first: int = 0, out: TextIO = sys.stderr, window: int = 20
+        self, total: int, tokens_per_step: int, *, first: int = 0, out: TextIO | None = None, window: int = 20
     ) -> None:
+        out = sys.stderr if out is None else out  # the stream of the moment, not of the import
         self.total, self.tokens_per_step, self.first, self.out = total, tokens_per_step, first, out
         self.tty = out.isatty()
         self.recent: collections.deque[float] = collections.deque(maxlen=window)

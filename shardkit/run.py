@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import pathlib
@@ -27,12 +26,11 @@ from shardkit.data import TextDataset, load_text
 from shardkit.distributed import is_primary
 from shardkit.errors import InputError, ModelError
 from shardkit.generate import generate
-from shardkit.hardware import profile_of_device
-from shardkit.model import model_facts
 from shardkit.models.gpt import GPTConfig
-from shardkit.precision import as_precision
 from shardkit.progress import Progress
+from shardkit.run_log import HELD_OUT, Profiler, evaluate_held_out, log_step, mfu_text, open_json_log
 from shardkit.stopping import StopRequests
+from shardkit.tensorboard import Scalars
 from shardkit.train import NonFiniteError, Trainer
 
 
@@ -79,37 +77,6 @@ def run_fingerprint(cfg: TrainConfig, dataset: TextDataset) -> dict[str, dict[st
             "steps": cfg.steps,
         },
     }
-
-
-def _mfu_text(model: Any, cfg: TrainConfig, tokens_per_second: float, devices: int) -> str:
-    """``MFU 0.41`` from the device's published peak (6N FLOPs per token plus attention, PaLM's
-    count), or why there is none: a CPU has no published peak."""
-    device = jax.devices()[0]
-    profile = profile_of_device(device.device_kind)
-    if profile is None:
-        return f"MFU n/a ({device.platform} has no published peak; benchmarks/mfu.py measures one)"
-    facts = model_facts(model)
-    per_token = 6 * facts["matmul_params"] + 12 * facts["layers"] * facts["dim"] * cfg.seq
-    dtype = jax.numpy.dtype(as_precision(cfg.precision).compute).name
-    return f"MFU {per_token * tokens_per_second / (devices * profile.peak_flops(dtype)):.2f} ({profile.name} peak)"
-
-
-def open_json_log(path: pathlib.Path, first_step: int) -> TextIO:
-    """The step log, opened for this run: after a resume from step N it keeps steps 1..N of the
-    earlier run and drops later ones, so each step appears once."""
-    if first_step and path.is_file():
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] <= first_step:
-                    kept.append(line + "\n")
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut by a kill mid-write
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(path)
-        return path.open("a")
-    return path.open("w")
 
 
 def _halted(
@@ -219,46 +186,10 @@ def _start_or_resume(
     return ckpt, state, first_step
 
 
-class _Profiler:
-    """A ``jax.profiler`` trace of the steps in ``steps`` (0-based), written to ``directory``."""
-
-    def __init__(self, steps: range, directory: str, out: TextIO):
-        self.steps, self.directory, self.out, self.active = steps, directory, out, False
-
-    def before(self, step: int) -> None:
-        if self.steps and step == self.steps.start:
-            jax.profiler.start_trace(self.directory)
-            self.active = True
-
-    def after(self, step: int) -> None:
-        if self.active and step + 1 == self.steps.stop:
-            self.close()
-            print(f"profile of steps {self.steps.start + 1}-{self.steps.stop} in {self.directory}", file=self.out)
-
-    def close(self) -> None:
-        if self.active:
-            jax.profiler.stop_trace()
-            self.active = False
-
-
-HELD_OUT = 0.05  # the fraction of the text kept for evaluation when --eval-every is set
-
-
-def _evaluate(cfg: TrainConfig, trainer: Trainer, held_out: TextDataset, params: Any) -> float:
-    """Mean loss over ``cfg.eval_batches`` fixed batches of the held-out text (each process reads
-    its rows), weighted by the tokens each scored."""
-    rows, total, tokens = trainer.local_rows(cfg.batch), 0.0, 0
-    for i in range(cfg.eval_batches):
-        result = trainer.evaluate(params, trainer.shard_batch(held_out.batch(i, cfg.batch, cfg.seq, rows=rows)))
-        count = int(result["tokens"])
-        total, tokens = total + float(result["loss"]) * count, tokens + count
-    return total / max(tokens, 1)
-
-
 def _held_out_record(cfg: TrainConfig, trainer: Trainer, held_out: TextDataset, loop: _Loop, out: TextIO) -> dict:
     """Evaluate now: print the held-out loss and perplexity; their fields of the step's log line."""
     step = loop.steps_done
-    loss = _evaluate(cfg, trainer, held_out, loop.state.params)
+    loss = evaluate_held_out(cfg, trainer, held_out, loop.state.params)
     loop.evals.append((step, loss))
     print(f"eval at step {step}: held-out loss {loss:.4f}, perplexity {math.exp(loss):.2f}", file=out)
     return {"eval_loss": loss, "eval_perplexity": math.exp(loss)}
@@ -276,14 +207,17 @@ def _steps(
 ) -> _Loop:
     """Run the steps from the first one to ``cfg.steps``: log, save, and stop politely on a signal."""
     ckpt, state, first_step = start
-    loop, rows, step_tokens = _Loop(state), trainer.local_rows(cfg.batch), cfg.batch * cfg.seq
+    loop, rows = _Loop(state), trainer.local_rows(cfg.batch)
     with contextlib.ExitStack() as stack:
         stop = stack.enter_context(StopRequests())
         log = None
         if cfg.json_log and is_primary():  # one writer, whatever the process count
             log = stack.enter_context(open_json_log(pathlib.Path(cfg.json_log), first_step))
+        board = Scalars(cfg.tensorboard) if cfg.tensorboard and is_primary() else None
+        if board is not None:
+            stack.callback(board.close)
         directory = os.path.join(cfg.run_dir, cfg.profile_dir) if cfg.run_dir else cfg.profile_dir
-        profiler = _Profiler(cfg.profiled_steps(), directory, out)
+        profiler = Profiler(cfg.profiled_steps(), directory, out)
         stack.callback(profiler.close)  # a run stopped inside the range still writes its trace
         for step in range(first_step, cfg.steps):
             profiler.before(step)
@@ -305,11 +239,8 @@ def _steps(
             loop.steps_done = step + 1
             due = held_out is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
             evaluated = _held_out_record(cfg, trainer, held_out, loop, out) if due and held_out is not None else {}
-            if log is not None:
-                record = {"step": step + 1, "loss": loss, "tokens_per_s": step_tokens / seconds}
-                record |= {"grad_norm": float(metrics["grad_norm"]), "seconds": seconds, **evaluated}
-                log.write(json.dumps(record) + "\n")
-                log.flush()
+            learning_rate = float(_schedule(cfg)(step))
+            log_step(cfg, trainer, (log, board), step + 1, loss, metrics, seconds, batch, evaluated, learning_rate)
             if bar is not None:
                 bar.update(step + 1, loss, seconds)
             stopping = stop.requested()
@@ -337,24 +268,26 @@ def _summary(cfg: TrainConfig, trainer: Trainer, loop: _Loop, out: TextIO) -> fl
     per_device = (memory.argument_size_in_bytes + memory.temp_size_in_bytes) / 2**20 if memory else float("nan")
     print(
         f"summary: {len(losses)} steps on {devices} {jax.devices()[0].platform} device(s), layout "
-        f"{trainer.layout.spec()}; {mean_tps:,.0f} tokens/s; {_mfu_text(trainer.model, cfg, mean_tps, devices)}; "
+        f"{trainer.layout.spec()}; {mean_tps:,.0f} tokens/s; {mfu_text(trainer.model, cfg, mean_tps, devices)}; "
         f"{per_device:,.1f} MiB per device (state + temporaries, from the compiled step)",
         file=out,
     )
     return mean_tps
 
 
-def train(cfg: TrainConfig, *, out: TextIO = sys.stdout, progress: bool = True) -> dict[str, Any]:
+def train(cfg: TrainConfig, *, out: TextIO | None = None, progress: bool = True) -> dict[str, Any]:
     """Train the reference GPT on the built-in corpus (or ``cfg.data``) and sample from it.
 
     Args:
       cfg: the run's configuration.
-      out: where the layout, the sharding table and the summary are printed.
+      out: where the layout, the sharding table and the summary are printed (default: the
+        ``sys.stdout`` of the moment of the call).
       progress: show the progress bar on stderr.
 
     Returns:
       ``{"losses", "first_loss", "last_loss", "tokens_per_s", "sample", "layout", "devices"}``.
     """
+    out = sys.stdout if out is None else out
     if not is_primary():  # several processes, one program: process 0 speaks for all
         out = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the run
     dataset, trainer = _trainer_for(cfg, out)

@@ -13,6 +13,7 @@ LAYERS = {
         "_lazy",
         "errors",
         "error_sites",
+        "tensorboard",
         "xla_flags",
         "orbax_logs",
         "flags",
@@ -48,7 +49,7 @@ LAYERS = {
     },
     2: {"report", "report_data"},
     3: {"steps", "train", "checkpoint", "checkpoint_checks"},
-    4: {"dryrun", "plan", "run", "cli", "__init__"},
+    4: {"dryrun", "plan", "run", "run_log", "cli", "__init__"},
 }
 LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}
 

@@ -61,3 +61,21 @@ def test_training_logs_the_held_out_loss_every_n_steps(tmp_path, capsys):
     for r in evaluated.values():
         assert math.isclose(r["eval_perplexity"], math.exp(r["eval_loss"]), rel_tol=1e-9) and r["eval_loss"] > 0
     assert "eval at step 4: held-out loss" in capsys.readouterr().out
+
+
+def test_tensorboard_gets_the_runs_scalars(tmp_path):
+    from shardkit.config import TrainConfig
+    from shardkit.run import OPTIMIZERS, _schedule  # noqa: F401  (the schedule the run follows)
+    from shardkit.tensorboard import read_scalars
+
+    board = tmp_path / "tb"
+    argv = ["train", "--model", "tiny", "--steps", "4", "--batch", "8", "--seq", "32", "--sample-tokens", "0"]
+    assert cli.main([*argv, "--eval-every", "2", "--eval-batches", "1", "--tensorboard", str(board)]) == 0
+    scalars = read_scalars(board)
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]
+    assert [s for s, _ in scalars["eval/loss"]] == [2, 4]
+    cfg = TrainConfig(model="tiny", steps=4, batch=8, seq=32)
+    lrs = [v for _, v in scalars["train/learning_rate"]]
+    np.testing.assert_allclose(lrs, [float(_schedule(cfg)(i)) for i in range(4)], rtol=1e-6)
+    assert all(v > 0 for _, v in scalars["train/grad_norm"] + scalars["train/tokens_per_s"])
+    assert len(scalars["memory/per_device_mib"]) == 1 and "train/mfu" not in scalars  # a CPU has no peak
