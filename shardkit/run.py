@@ -207,7 +207,7 @@ def _steps(
 ) -> _Loop:
     """Run the steps from the first one to ``cfg.steps``: log, save, and stop politely on a signal."""
     ckpt, state, first_step = start
-    loop, rows = _Loop(state), trainer.local_rows(cfg.batch)
+    loop, rows, schedule = _Loop(state), trainer.local_rows(cfg.batch), _schedule(cfg)
     with contextlib.ExitStack() as stack:
         stop = stack.enter_context(StopRequests())
         log = None
@@ -239,7 +239,7 @@ def _steps(
             loop.steps_done = step + 1
             due = held_out is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
             evaluated = _held_out_record(cfg, trainer, held_out, loop, out) if due and held_out is not None else {}
-            learning_rate = float(_schedule(cfg)(step))
+            learning_rate = float(schedule(step)) if board is not None else 0.0  # only TensorBoard shows it
             log_step(cfg, trainer, (log, board), step + 1, loss, metrics, seconds, batch, evaluated, learning_rate)
             if bar is not None:
                 bar.update(step + 1, loss, seconds)
