@@ -131,7 +131,8 @@ def add_flags(
         if (chosen is not None and field.name not in chosen) or "help" not in field.metadata:
             continue
         meta = field.metadata
-        kwargs: dict[str, Any] = {"dest": field.name, "default": field.default, "help": meta["help"]}
+        help_text = meta["help"].replace("%", "%%")  # argparse formats help with %
+        kwargs: dict[str, Any] = {"dest": field.name, "default": field.default, "help": help_text}
         base, _ = _base(hints[field.name])
         if base is bool:
             kwargs["action"] = "store_false" if meta["negate"] else "store_true"
