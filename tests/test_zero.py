@@ -65,3 +65,30 @@ def test_zero_reduce_scatters_gradients_and_all_gathers_parameters_over_data():
     for zero in (1, 2):
         assert kinds[zero]["all-gather"] >= leaves // 2 and kinds[zero]["reduce-scatter"] >= 1
         assert ratio[zero] <= 1.05 * ratio[0]
+
+
+@pytest.mark.parametrize("factory", ["gemma_lm", "linen_lm"])
+def test_zero_on_models_written_without_shardkit(factory):
+    """An NNX and a Linen LM written the way other people write them (no sk.constrain): ZeRO-2
+    trains them as one device does and holds ZeRO's state per device."""
+    import byo_factories
+
+    make = getattr(byo_factories, factory)
+    batch = {"tokens": np.random.default_rng(2).integers(0, 256, (16, 33)).astype(np.int32)}
+
+    def run(trainer):
+        state, out = trainer.init(0), []
+        for _ in range(3):
+            state, metrics = trainer.step(state, trainer.shard_batch(batch))
+            out.append(float(metrics["loss"]))
+        return out
+
+    one = run(sk.Trainer(make(), optax.adamw(1e-2), "data=1", devices=jax.devices()[:1]))
+    zero = sk.Trainer(make(), optax.adamw(1e-2), "data=8", zero=2)
+    np.testing.assert_allclose(run(zero), one, rtol=2e-5)
+    p = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(zero.abstract_params))
+    plain = sk.Trainer(make(), optax.adamw(1e-2), "data=8")
+    args = {z: t.compile(batch).memory_analysis().argument_size_in_bytes for z, t in ((0, plain), (2, zero))}
+    others = args[0] - 12 * p  # fp32: 4 bytes of parameters and 8 of Adam moments per parameter
+    assert 0 <= others < 4096
+    assert args[2] == others + 4 * p + 8 * p // N  # the parameters whole; the moments split over data
