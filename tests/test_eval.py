@@ -79,3 +79,14 @@ def test_tensorboard_gets_the_runs_scalars(tmp_path):
     np.testing.assert_allclose(lrs, [float(_schedule(cfg)(i)) for i in range(4)], rtol=1e-6)
     assert all(v > 0 for _, v in scalars["train/grad_norm"] + scalars["train/tokens_per_s"])
     assert len(scalars["memory/per_device_mib"]) == 1 and "train/mfu" not in scalars  # a CPU has no peak
+
+
+def test_evaluation_of_a_model_written_without_shardkit():
+    import byo_factories
+
+    trainer = sk.Trainer(byo_factories.linen_lm(), optax.adamw(1e-3), "fsdp=4,tensor=2")
+    one = sk.Trainer(byo_factories.linen_lm(), optax.adamw(1e-3), "data=1", devices=jax.devices()[:1])
+    here = trainer.evaluate(trainer.init(0).params, trainer.shard_batch(BATCH))
+    there = one.evaluate(one.init(0).params, one.shard_batch(BATCH))
+    np.testing.assert_allclose(float(here["loss"]), float(there["loss"]), rtol=1e-5)
+    assert int(here["tokens"]) == int(there["tokens"]) == 16 * 32
