@@ -112,10 +112,6 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r} (use true or false)")
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def add_flags(
     parser: argparse.ArgumentParser,
     cls: type,
@@ -125,7 +121,7 @@ def add_flags(
 ) -> None:
     """Add one flag per field of the dataclass ``cls`` (``only``: just these fields;
     ``overrides``: extra ``add_argument`` keywords per field name, e.g. ``required=True``)."""
-    hints, overrides = _hints(cls), overrides or {}
+    hints, overrides = typing.get_type_hints(cls), overrides or {}
     chosen = None if only is None else set(only)
     for field in dataclasses.fields(cls):
         if (chosen is not None and field.name not in chosen) or "help" not in field.metadata:
@@ -150,12 +146,13 @@ def add_flags(
 def config_from(cls: type, args: argparse.Namespace, **extra: Any) -> Any:
     """The ``cls`` config of parsed flags (fields absent from ``args`` keep their default)."""
     values: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         if not hasattr(args, field.name):
             continue
         value = getattr(args, field.name)
-        if isinstance(value, str) and typing.get_origin(_base(_hints(cls)[field.name])[0]) is tuple:
-            value = _converter(field, _hints(cls)[field.name])(value)  # argparse leaves a default string as is
+        if isinstance(value, str) and typing.get_origin(_base(hints[field.name])[0]) is tuple:
+            value = _converter(field, hints[field.name])(value)  # argparse leaves a default string as is
         if isinstance(value, list):
             value = tuple(value)
         if field.metadata.get("zero_is_none") and value == 0:
@@ -196,7 +193,7 @@ def file_values(cls: type, path: str | None, assignments: Sequence[str]) -> dict
       InputError: an unreadable file, an unknown key, or a value of the wrong type.
     """
     fields = {f.name: f for f in dataclasses.fields(cls) if "help" in f.metadata}
-    hints = _hints(cls)
+    hints = typing.get_type_hints(cls)
     raw: dict[str, Any] = {}
     if path is not None:
         raw |= _read_toml(path)

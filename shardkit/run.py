@@ -116,7 +116,6 @@ class _Loop:
     stopped_after: int | None = None
     signal: tuple[int, str | None] | None = None  # (number, name) of the signal that stopped it
     last_batch: Any = None
-    steps_done: int = 0  # the step number of the state
     evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, held-out loss)
 
 
@@ -186,9 +185,10 @@ def _start_or_resume(
     return ckpt, state, first_step
 
 
-def _held_out_record(cfg: TrainConfig, trainer: Trainer, held_out: TextDataset, loop: _Loop, out: TextIO) -> dict:
+def _held_out_record(
+    cfg: TrainConfig, trainer: Trainer, held_out: TextDataset, loop: _Loop, step: int, out: TextIO
+) -> dict:
     """Evaluate now: print the held-out loss and perplexity; their fields of the step's log line."""
-    step = loop.steps_done
     loss = evaluate_held_out(cfg, trainer, held_out, loop.state.params)
     loop.evals.append((step, loss))
     print(f"eval at step {step}: held-out loss {loss:.4f}, perplexity {math.exp(loss):.2f}", file=out)
@@ -236,9 +236,8 @@ def _steps(
                 loop.skipped.append(step + 1)
                 print(f"step {step + 1}: loss {loss}: non-finite, not applied", file=out)
             loop.losses.append(loss)
-            loop.steps_done = step + 1
             due = held_out is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
-            evaluated = _held_out_record(cfg, trainer, held_out, loop, out) if due and held_out is not None else {}
+            evaluated = _held_out_record(cfg, trainer, held_out, loop, step + 1, out) if due and held_out else {}
             learning_rate = float(schedule(step)) if board is not None else 0.0  # only TensorBoard shows it
             log_step(cfg, trainer, (log, board), step + 1, loss, metrics, seconds, batch, evaluated, learning_rate)
             if bar is not None:
