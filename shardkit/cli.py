@@ -135,6 +135,7 @@ EXAMPLES = {
     "inspect": "example: shardkit inspect --model tiny --layout data=2,fsdp=2,tensor=2",
     "plan": "example: shardkit plan --model llama2-7b --devices 64 --hardware h100 --batch 256 --seq 4096",
     "launch": "example: shardkit launch --nproc 2 -- shardkit train --layout data=2,fsdp=2,tensor=2 --steps 50",
+    "export": "example: shardkit export --model tiny --checkpoint-dir runs/tiny/checkpoints --out tiny-hf",
 }
 
 
@@ -190,6 +191,17 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
     lau.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND ...")
 
 
+def _export_parser(sub: argparse._SubParsersAction) -> None:
+    exp = _subcommand(sub, "export", "write a training checkpoint's weights as a Hugging Face checkpoint")
+    required = {"checkpoint_dir": {"required": True}}
+    add_flags(exp, TrainConfig, only=("model", "init_from", "checkpoint_dir"), overrides=required)
+    exp.add_argument("--out", required=True, help="the directory to create (config.json + *.safetensors)")
+    exp.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest that verifies)")
+    exp.add_argument(
+        "--format", choices=("hf",), default="hf", help="hf: Hugging Face safetensors, loadable as Llama/Qwen2"
+    )
+
+
 def _inspect(cfg: Any, as_json: bool) -> None:
     from shardkit.dryrun import trainer_for
     from shardkit.report import sharding_warnings
@@ -240,6 +252,7 @@ def build_parser(file_defaults: Mapping[str, Any] | None = None) -> argparse.Arg
             p.add_argument("--hardware", **HARDWARE_FLAG)
     _plan_parser(sub)
     _launch_parser(sub)
+    _export_parser(sub)
     return parser
 
 
@@ -286,6 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = train(cfg)
             if "stopped_by" in result:  # SIGTERM/SIGINT: saved and stopped, exit as if killed by it
                 return 128 + int(result["stopped_by"])
+        elif args.command == "export":
+            from shardkit.run import export_checkpoint
+
+            export_checkpoint(args.model, args.init_from, args.checkpoint_dir, args.out, args.step)
         elif args.command == "plan":
             from shardkit.plan import run_cli as plan_cli
 

@@ -51,6 +51,11 @@ class TrainConfig:
         "a GPT preset (tiny, mini, gpt2-small, ..., llama2-70b, mixtral-8x7b); dryrun, inspect and plan also take "
         "your own factory as package.module:function",
     )
+    init_from: str | None = setting(
+        None,
+        "start from a Hugging Face checkpoint directory (config.json + *.safetensors; Llama, Mistral or Qwen2): "
+        "the model is the checkpoint's, not --model's",
+    )
     layout: str = setting("data=2,fsdp=2,tensor=2", "mesh axis sizes, e.g. data=2,fsdp=-1,tensor=2 (-1 fills the rest)")
     steps: int = setting(500, "optimizer steps")
     batch: int = setting(16, "global batch (sequences per step)")

@@ -24,8 +24,9 @@ from shardkit.checkpoint import Checkpointer
 from shardkit.config import OPTIMIZER_NAMES, TrainConfig
 from shardkit.data import TextDataset, load_text
 from shardkit.distributed import is_primary
-from shardkit.errors import InputError, ModelError
+from shardkit.errors import CheckpointError, InputError, ModelError
 from shardkit.generate import generate
+from shardkit.models import hf
 from shardkit.models.gpt import GPTConfig
 from shardkit.progress import Progress
 from shardkit.run_log import HELD_OUT, Profiler, evaluate_held_out, log_step, mfu_text, open_json_log
@@ -119,19 +120,70 @@ class _Loop:
     evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, held-out loss)
 
 
-def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
-    """The dataset and the trainer of the main job, checked and described before any compile."""
+def _model_of(cfg: TrainConfig) -> tuple[GPTConfig, str]:
+    """The GPT of the run and its name: a preset's, or a Hugging Face checkpoint's (``--init-from``)."""
+    if cfg.init_from:
+        return hf.gpt_config(hf.read_config(cfg.init_from), dropout=cfg.dropout, remat=cfg.remat), _hf_name(cfg)
     if cfg.model not in GPTConfig.preset_names():
         raise ModelError(f"--model {cfg.model!r} is not a preset; choose one of {', '.join(GPTConfig.preset_names())}.")
+    return GPTConfig.preset(cfg.model, dropout=cfg.dropout, remat=cfg.remat), f"GPT-{cfg.model}"
+
+
+def _hf_name(cfg: TrainConfig) -> str:
+    path = pathlib.Path(cfg.init_from or "")
+    return f"{hf.read_config(path).get('model_type', 'hf')}:{path.name}"
+
+
+def _fresh_state(cfg: TrainConfig, trainer: Trainer) -> Any:
+    """The first state of a new run: initialised, or the ``--init-from`` checkpoint's weights."""
+    if not cfg.init_from:
+        return trainer.init(cfg.seed)
+    gpt_cfg, _ = _model_of(cfg)
+    return trainer.init(cfg.seed, params=hf.load_params(cfg.init_from, gpt_cfg, trainer.state_shardings.params))
+
+
+def export_checkpoint(
+    model: str, init_from: str | None, checkpoint_dir: str, out: str, step: int | None = None
+) -> pathlib.Path:
+    """Write the parameters of a ``shardkit train`` checkpoint as a Hugging Face checkpoint.
+
+    Args:
+      model: the run's ``--model`` preset (ignored with ``init_from``).
+      init_from: the run's ``--init-from`` directory, whose config.json's other keys are kept.
+      checkpoint_dir: the run's checkpoints (``--checkpoint-dir``, or ``RUN_DIR/checkpoints``).
+      out: the new directory.
+      step: the step to export; None: the newest that verifies.
+
+    Returns:
+      ``out``.
+    """
+    if pathlib.Path(out).exists():
+        raise CheckpointError(f"{out} exists; export writes a new directory (remove it or choose another).")
+    cfg = TrainConfig(model=model, init_from=init_from, checkpoint_dir=checkpoint_dir)
+    gpt_cfg, name = _model_of(cfg)
+    ckpt = Checkpointer(checkpoint_dir)
+    newest = ckpt.latest_step()
+    precision = ckpt.record(step if step is not None else newest)["precision"] if newest is not None else "fp32"
+    trainer = Trainer(gpt_cfg.model(name=name), optax.sgd(0.0), "data=-1", precision=precision)
+    state, record = ckpt.restore(trainer, step, reset_optimizer=True)
+    base = hf.read_config(init_from) if init_from else None
+    written = hf.save_pretrained(state.params, gpt_cfg, out, base_config=base)
+    if is_primary():
+        print(f"wrote {written} (step {record['step']} of {checkpoint_dir}, model {name})")
+    return written
+
+
+def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
+    """The dataset and the trainer of the main job, checked and described before any compile."""
+    gpt_cfg, name = _model_of(cfg)
     text = load_text(cfg.data) if cfg.data else None
     dataset = TextDataset.from_bytes(text, cfg.seed) if text is not None else TextDataset.builtin(cfg.seed)
-    gpt_cfg = GPTConfig.preset(cfg.model, dropout=cfg.dropout, remat=cfg.remat)
     if gpt_cfg.vocab < TextDataset.VOCAB:
-        raise ModelError(f"--model {cfg.model} has vocab {gpt_cfg.vocab} < 256 byte tokens.")
+        raise ModelError(f"The model {name} has vocab {gpt_cfg.vocab} < 256 byte tokens.")
     if cfg.seq > gpt_cfg.max_seq:
-        raise InputError(f"--seq {cfg.seq} exceeds the {cfg.model} model's max_seq={gpt_cfg.max_seq}.")
+        raise InputError(f"--seq {cfg.seq} exceeds the {name} model's max_seq={gpt_cfg.max_seq}.")
     trainer = Trainer(
-        gpt_cfg.model(name=f"GPT-{cfg.model}"),
+        gpt_cfg.model(name=name),
         OPTIMIZERS[cfg.optimizer](cfg),
         cfg.layout,
         precision=cfg.precision,
@@ -145,7 +197,7 @@ def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
     )
     print(
         f"shardkit: {trainer.mesh.devices.size} {jax.devices()[0].platform} device(s), layout "
-        f"{trainer.layout.spec()}, model GPT-{cfg.model} ({gpt_cfg.num_params() / 1e6:.2f}M parameters), precision "
+        f"{trainer.layout.spec()}, model {name} ({gpt_cfg.num_params() / 1e6:.2f}M parameters), precision "
         f"{cfg.precision}, batch {cfg.batch} x seq {cfg.seq}, {len(dataset.tokens):,} tokens of text",
         file=out,
     )
@@ -167,10 +219,10 @@ def _start_or_resume(
         else None
     )
     if ckpt is None:
-        return None, trainer.init(cfg.seed), 0
+        return None, _fresh_state(cfg, trainer), 0
     ckpt.prepare(trainer)  # writable, room for a checkpoint, locked: before any step is computed
     if ckpt.latest_step() is None:
-        return ckpt, trainer.init(cfg.seed), 0
+        return ckpt, _fresh_state(cfg, trainer), 0
     state, record = ckpt.restore(
         trainer,
         run=run,

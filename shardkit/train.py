@@ -195,9 +195,13 @@ class Trainer:
 
     # -- state --------------------------------------------------------------------------------
     def _init_fn(self, seed: int) -> TrainState:
-        init_key, rng = jax.random.split(jax.random.key(seed))
+        init_key, _ = jax.random.split(jax.random.key(seed))
         with use_sharding(self.mesh, self.rules):
             created = self.model.init(init_key)
+        return self._state_of(created, seed)
+
+    def _state_of(self, created: Any, seed: int) -> TrainState:
+        _, rng = jax.random.split(jax.random.key(seed))
         updated = self.precision.optimizer_copy(created)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
@@ -207,10 +211,22 @@ class Trainer:
             master=updated if self.precision.master is not None else None,
         )
 
-    def init(self, seed: int = 0) -> TrainState:
-        """Create the train state, every array born with its sharding (no full copy anywhere)."""
+    def init(self, seed: int = 0, params: Any = None) -> TrainState:
+        """Create the train state, every array born with its sharding (no full copy anywhere).
+
+        Args:
+          seed: the initialisation and dropout seed.
+          params: start from these parameters (a pretrained model's, say) instead of the model's
+            initialisers; a tree shaped like the model's, placed as ``state_shardings.params``
+            (:func:`shardkit.models.hf.load_params` builds one). The optimizer starts fresh.
+        """
+        if params is None:
+            with self._mesh_context():
+                return self._init(seed)
+        check_params_like(params, self.model.abstract_params())
         with self._mesh_context():
-            return self._init(seed)
+            start = jax.jit(self._state_of, static_argnums=1, out_shardings=self.state_shardings)
+            return start(params, seed)
 
     def lower_init(self, seed: int = 0) -> jax.stages.Lowered:
         """The sharded init, lowered (``.compile().memory_analysis()`` shows what it holds)."""
@@ -397,3 +413,21 @@ class Trainer:
 
 def _batch_key(batch: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch.items()))
+
+
+def check_params_like(params: Any, expected: Any) -> None:
+    """``params`` has the model's tree, shapes and dtypes (else an InputError naming the first
+    difference), so a wrong checkpoint is refused before anything is compiled."""
+    got = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    want = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(expected)[0]}
+    if got.keys() != want.keys():
+        missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+        raise InputError(
+            f"init(params=...): the tree differs from the model's: missing {missing[:3]}, unexpected {extra[:3]}."
+        )
+    for name, x in got.items():
+        w = want[name]
+        if tuple(x.shape) != tuple(w.shape) or jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
+            raise InputError(
+                f"init(params=...): {name} is {x.dtype}{list(x.shape)}; the model's is {w.dtype}{list(w.shape)}."
+            )

@@ -48,7 +48,7 @@ LAYERS = {
         "checksums",
     },
     2: {"report", "report_data"},
-    3: {"steps", "train", "checkpoint", "checkpoint_checks"},
+    3: {"steps", "train", "checkpoint", "checkpoint_checks", "pretrained"},
     4: {"dryrun", "plan", "run", "run_log", "cli", "__init__"},
 }
 LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}

@@ -143,3 +143,29 @@ def test_plan_time_benchmark_small(tmp_path):
     assert result["met"] and 0 < result["seconds_cache_filled"] < result["seconds_empty_cache"]
     assert result["compiled"] <= 6 < result["searched"] and result["best_flags"].startswith("--model tiny")
     assert "goal <= 180 s: met" in out
+
+
+@pytest.mark.slow
+def test_hf_import_benchmark_small(tmp_path):
+    """Two processes of two devices each read a small checkpoint: each adds less than the model."""
+    out = run(
+        sys.executable,
+        "benchmarks/hf_import.py",
+        "--dim",
+        "128",
+        "--layers",
+        "2",
+        "--vocab",
+        "8192",
+        "--nproc",
+        "2",
+        "--devices-per-proc",
+        "2",
+        "--json",
+        str(tmp_path / "h.json"),
+    )
+    result = json.loads((tmp_path / "h.json").read_text())
+    assert len(result["processes"]) == 2 and "sharded import" in out
+    for p in result["processes"]:
+        assert p["share"] * 2 == pytest.approx(result["model_bytes"], rel=0.01)  # fsdp=4 over 2 processes
+        assert p["added"] < 0.9 * result["model_bytes"]

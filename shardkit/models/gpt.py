@@ -77,6 +77,8 @@ class GPTConfig:
     dropout: float = 0.0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # logits from the embedding table (Qwen2, Gemma); no separate lm_head
+    qkv_bias: bool = False  # a bias on the query, key and value projections (Qwen2)
     dtype: str | None = None  # compute dtype; None: that of the parameters it is given
     param_dtype: str = "float32"
     scan_layers: bool = True  # one compiled layer body, scanned L times
@@ -152,10 +154,11 @@ class GPTConfig:
         Example:
           >>> model = GPTConfig.preset("tiny").model()
         """
+        lookup_only = 0 if self.tie_embeddings else self.vocab * self.dim  # a tied table is also the head
         info = {
             "layers": self.n_layers,
             "dim": self.dim,
-            "matmul_params": self.num_params() - self.vocab * self.dim,
+            "matmul_params": self.num_params() - lookup_only,
             "max_seq": self.max_seq,
         }
         return from_nnx(
@@ -167,12 +170,15 @@ class GPTConfig:
         )
 
     def num_params(self) -> int:
-        """Parameter count (embedding and untied output head included)."""
+        """Parameter count (embedding, and the output head unless tied, included)."""
         d, f, k = self.dim, self.mlp_dim, self.head_dim
         attn = d * self.n_heads * k * 2 + d * self.n_kv_heads * k * 2
+        if self.qkv_bias:
+            attn += (self.n_heads + 2 * self.n_kv_heads) * k
         mlp = 3 * d * f if not self.n_experts else self.n_experts * 3 * d * f + d * self.n_experts
         per_layer = attn + mlp + 2 * d
-        return self.n_layers * per_layer + 2 * self.vocab * d + d
+        tables = 1 if self.tie_embeddings else 2
+        return self.n_layers * per_layer + tables * self.vocab * d + d
 
 
 def _param(rngs: nnx.Rngs, init: Any, shape: tuple[int, ...], names: tuple[str | None, ...], dtype: str) -> nnx.Param:
@@ -222,6 +228,8 @@ class Attention(nnx.Module):
         self.groups = cfg.n_heads // cfg.n_kv_heads
         qkv_init = nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2, 3))
         self.wqkv = _param(rngs, qkv_init, (d, n, self.groups + 2, k), ("embed", "kv_heads", None, "kv"), p)
+        if cfg.qkv_bias:
+            self.bqkv = _param(rngs, nnx.initializers.zeros, (n, self.groups + 2, k), ("kv_heads", None, "kv"), p)
         self.wo = _param(
             rngs,
             nnx.initializers.lecun_normal(in_axis=(0, 1), out_axis=2),
@@ -236,6 +244,8 @@ class Attention(nnx.Module):
         g = self.groups
         with jax.named_scope("qkv_proj"):
             qkv = jnp.einsum("btd,dngk->btngk", x, self.wqkv[...].astype(x.dtype))  # (B, T, N, G+2, K)
+            if self.cfg.qkv_bias:
+                qkv = qkv + self.bqkv[...].astype(x.dtype)
             qkv = constrain(qkv, ("batch", "seq", "kv_heads", None, "kv"))  # heads split, not the sequence
         q = qkv[:, :, :, :g, :].reshape(b, t, -1, qkv.shape[-1])  # (B, T, H, K), head h -> kv head h // G
         k, v = qkv[:, :, :, g, :], qkv[:, :, :, g + 1, :]  # (B, T, N, K) each
@@ -334,7 +344,8 @@ class GPT(nnx.Module):
         else:
             self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])  # type: ignore[assignment]
         self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, p, rngs)
-        self.lm_head = _param(rngs, nnx.initializers.lecun_normal(), (cfg.dim, cfg.vocab), ("embed", "vocab"), p)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, nnx.initializers.lecun_normal(), (cfg.dim, cfg.vocab), ("embed", "vocab"), p)
 
     def _keys(self, key: jax.Array | None) -> jax.Array | None:
         """Dropout keys: one per layer, then one for the embedding; None when dropout is off."""
@@ -402,7 +413,10 @@ class GPT(nnx.Module):
         dt = self.compute_dtype
         x = self.final_norm(x)
         with jax.named_scope("lm_head"):
-            logits = x @ self.lm_head[...].astype(dt)  # (B, T, V)
+            if self.cfg.tie_embeddings:
+                logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dt))  # (B, T, V)
+            else:
+                logits = x @ self.lm_head[...].astype(dt)  # (B, T, V)
         return constrain(logits, ("batch", "seq", "vocab"))
 
     def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:

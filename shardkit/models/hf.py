@@ -1,0 +1,488 @@
+"""Hugging Face checkpoints (``config.json`` + ``*.safetensors``) in and out of shardkit's GPT.
+
+Llama, Mistral and Qwen2 checkpoints map onto :class:`~shardkit.models.GPT` tensor by tensor:
+
+==========================================  =================================================
+Hugging Face (``model.layers.{i}.`` ...)     GPT (stacked over layers when ``scan_layers``)
+==========================================  =================================================
+``self_attn.{q,k,v}_proj.weight`` (out, in)  ``blocks/attn/wqkv`` (D, N, G+2, K): per kv head,
+                                             its G query heads, its key, its value
+``self_attn.{q,k,v}_proj.bias`` (Qwen2)      ``blocks/attn/bqkv`` (N, G+2, K)
+``self_attn.o_proj.weight`` (D, H*K)         ``blocks/attn/wo`` (H, K, D)
+``mlp.{gate,up}_proj.weight`` (F, D)         ``blocks/mlp/w_gate_up`` (D, 2, F)
+``mlp.down_proj.weight`` (D, F)              ``blocks/mlp/w_down`` (F, D)
+``input_layernorm`` / ``post_attention_``    ``blocks/attn_norm/scale`` / ``blocks/mlp_norm/scale``
+``model.embed_tokens`` / ``model.norm``      ``embed`` / ``final_norm/scale``
+``lm_head.weight`` (V, D), absent if tied    ``lm_head`` (D, V), absent if ``tie_embeddings``
+==========================================  =================================================
+
+Query head ``h`` uses kv head ``h // G`` in both (Hugging Face's ``repeat_kv``). Hugging Face
+stores q and k in the rotate-half layout (the two halves of each head rotate together), which is
+what :func:`shardkit.models.gpt.rotary` computes, so no row permutation is needed.
+
+Each GPT parameter is a *view* of checkpoint tensors: a reshape of each tensor dimension into
+factors, a transpose, concatenations and a stack over layers. A view reads any slice of the GPT
+array by reading the matching block of the tensors (safetensors' lazy slices), so
+:func:`load_params` builds every array with ``jax.make_array_from_callback`` and a process reads
+only what its own devices hold. :func:`save_pretrained` runs the views backwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from shardkit.errors import CheckpointError, ModelError
+from shardkit.models.gpt import GPTConfig
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SUPPORTED = ("llama", "mistral", "qwen2")
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older Llama exports saved
+_NOT_EXPRESSED = {
+    "gemma": "head_dim independent of hidden_size/heads, a GeGLU MLP, RMSNorm scaled by (1 + weight) "
+    "and embeddings multiplied by sqrt(hidden_size)",
+    "gemma2": "those of gemma, plus logit soft-capping and alternating sliding-window layers",
+    "gemma3": "those of gemma, plus query/key norms and alternating sliding-window layers",
+}
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+# -- configs -----------------------------------------------------------------------------------
+
+
+def gpt_config(hf: Mapping[str, Any], **overrides: Any) -> GPTConfig:
+    """The :class:`GPTConfig` of a Hugging Face ``config.json``, refused where GPT cannot express it.
+
+    Args:
+      hf: the parsed ``config.json`` (``model_type`` llama, mistral or qwen2).
+      **overrides: GPTConfig fields to set as well (``param_dtype``, ``scan_layers``, ``dropout`` ...).
+
+    Returns:
+      The GPTConfig; ``max_seq`` is ``max_position_embeddings`` (Mistral: capped at its sliding
+      window, beyond which GPT's full attention would differ).
+
+    Example:
+      >>> gpt_config({"model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+      ...     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+      ...     "num_key_value_heads": 2}).n_kv_heads
+      2
+    """
+    kind = hf.get("model_type")
+    if kind in _NOT_EXPRESSED:
+        raise ModelError(f"A {kind} checkpoint needs what shardkit's GPT does not have: {_NOT_EXPRESSED[kind]}.")
+    if kind not in SUPPORTED:
+        raise ModelError(f"config.json has model_type={kind!r}; shardkit imports {', '.join(SUPPORTED)}.")
+    dim, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    scaling = hf.get("rope_scaling") or {}
+    refusals = {
+        "hidden_act": (hf.get("hidden_act", "silu") not in ("silu", "swish"), "GPT's MLP is SwiGLU (silu)"),
+        "head_dim": (hf.get("head_dim") not in (None, dim // heads), f"GPT's is hidden_size/heads={dim // heads}"),
+        "rope_scaling": (
+            scaling.get("rope_type", scaling.get("type", "default")) != "default",
+            "GPT's rotary embedding is unscaled",
+        ),
+        "attention_bias": (kind != "qwen2" and bool(hf.get("attention_bias")), "GPT has no output-projection bias"),
+        "mlp_bias": (bool(hf.get("mlp_bias")), "GPT's MLP has no biases"),
+    }
+    for key, (refused, why) in refusals.items():
+        if refused:
+            raise ModelError(f"config.json has {key}={hf.get(key)!r}, which shardkit cannot import: {why}.")
+    max_seq = int(hf.get("max_position_embeddings", 2048))
+    window = hf.get("sliding_window") if kind == "mistral" or hf.get("use_sliding_window") else None
+    fields = dict(
+        vocab=int(hf["vocab_size"]),
+        dim=dim,
+        n_layers=int(hf["num_hidden_layers"]),
+        n_heads=heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        mlp_dim=int(hf["intermediate_size"]),
+        max_seq=min(max_seq, int(window)) if window else max_seq,
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=kind == "qwen2",
+    )
+    return GPTConfig(**{**fields, **overrides})
+
+
+def hf_config(cfg: GPTConfig, base: Mapping[str, Any] | None = None, dtype: str | None = None) -> dict[str, Any]:
+    """The ``config.json`` of ``cfg``: ``base`` (an imported checkpoint's) with the sizes updated,
+    or a new Llama config (Qwen2 when ``cfg.qkv_bias``); ``dtype`` that of the tensors written."""
+    kind = "qwen2" if cfg.qkv_bias else "llama"
+    out: dict[str, Any] = (
+        dict(base) if base else {"architectures": [f"{kind.capitalize()}ForCausalLM"], "model_type": kind}
+    )
+    out.update(
+        vocab_size=cfg.vocab,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.mlp_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        hidden_act="silu",
+        torch_dtype=dtype or cfg.param_dtype,
+    )
+    out.setdefault("max_position_embeddings", cfg.max_seq)
+    return out
+
+
+# -- reading tensors ---------------------------------------------------------------------------
+
+
+class Tensors:
+    """The tensors of a checkpoint directory (one ``model.safetensors`` or an index of shards),
+    opened lazily: :meth:`read` reads one block of one tensor."""
+
+    def __init__(self, directory: str | os.PathLike[str]):
+        from safetensors import safe_open  # imported here: the package imports without it
+
+        self.directory = pathlib.Path(directory)
+        index = self.directory / INDEX
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(self.directory.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.directory} holds no *.safetensors file (nor {INDEX}).")
+            weight_map = {}
+            for file in files:
+                with safe_open(file, "np") as f:
+                    weight_map.update(dict.fromkeys(f.keys(), file.name))
+        self._files = {name: safe_open(self.directory / file, "np") for name, file in weight_map.items()}
+        self.names = frozenset(self._files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._files[name].get_slice(name).get_shape())
+
+    def read(self, name: str, block: tuple[slice, ...]) -> np.ndarray:
+        return np.asarray(self._files[name].get_slice(name)[block])
+
+
+# -- views: a GPT parameter as a function of checkpoint tensors ---------------------------------
+
+
+def _bounds(index: tuple[slice, ...], shape: Sequence[int]) -> list[tuple[int, int]]:
+    return [sl.indices(n)[:2] for sl, n in zip(index, shape, strict=True)]
+
+
+class View(Protocol):
+    shape: tuple[int, ...]
+
+    def read(self, tensors: Tensors, index: tuple[slice, ...]) -> np.ndarray: ...
+
+    def write(self, array: np.ndarray) -> dict[str, np.ndarray]: ...
+
+    def sources(self) -> dict[str, tuple[int, ...]]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Tensor ``name`` with each of its dimensions split into ``factors``, the factors then
+    transposed by ``perm`` (GPT dimension ``i`` is factor ``perm[i]``)."""
+
+    name: str
+    factors: tuple[tuple[int, ...], ...]
+    perm: tuple[int, ...]
+
+    @property
+    def flat(self) -> tuple[int, ...]:
+        return tuple(f for group in self.factors for f in group)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.flat[p] for p in self.perm)
+
+    def sources(self) -> dict[str, tuple[int, ...]]:
+        return {self.name: tuple(math.prod(group) for group in self.factors)}
+
+    def read(self, tensors: Tensors, index: tuple[slice, ...]) -> np.ndarray:
+        wanted = [(0, 0)] * len(self.flat)
+        for gpt_dim, bound in enumerate(_bounds(index, self.shape)):
+            wanted[self.perm[gpt_dim]] = bound
+        block: list[slice] = []
+        split: list[int] = []
+        inner: list[slice] = []
+        start = 0
+        for group in self.factors:  # read whole rows of the leading factor's range, then slice
+            (lo, hi), rest = wanted[start], math.prod(group[1:])
+            block.append(slice(lo * rest, hi * rest))
+            split.extend((hi - lo, *group[1:]))
+            inner.append(slice(None))
+            inner.extend(slice(a, b) for a, b in wanted[start + 1 : start + len(group)])
+            start += len(group)
+        data = tensors.read(self.name, tuple(block))
+        return data.reshape(split)[tuple(inner)].transpose(self.perm)
+
+    def write(self, array: np.ndarray) -> dict[str, np.ndarray]:
+        back = np.argsort(self.perm)
+        return {self.name: array.transpose(back).reshape(self.sources()[self.name])}
+
+
+@dataclasses.dataclass(frozen=True)
+class Concat:
+    """Views joined along ``axis`` (query, key and value in one fused weight)."""
+
+    parts: tuple[Any, ...]
+    axis: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self.parts[0].shape
+        return (*first[: self.axis], sum(p.shape[self.axis] for p in self.parts), *first[self.axis + 1 :])
+
+    def sources(self) -> dict[str, tuple[int, ...]]:
+        return {k: v for p in self.parts for k, v in p.sources().items()}
+
+    def read(self, tensors: Tensors, index: tuple[slice, ...]) -> np.ndarray:
+        lo, hi = _bounds(index, self.shape)[self.axis]
+        pieces, offset = [], 0
+        for part in self.parts:
+            size = part.shape[self.axis]
+            a, b = max(lo, offset), min(hi, offset + size)
+            if a < b:
+                sub = (*index[: self.axis], slice(a - offset, b - offset), *index[self.axis + 1 :])
+                pieces.append(part.read(tensors, sub))
+            offset += size
+        return np.concatenate(pieces, axis=self.axis)
+
+    def write(self, array: np.ndarray) -> dict[str, np.ndarray]:
+        cuts = np.cumsum([p.shape[self.axis] for p in self.parts])[:-1]
+        out: dict[str, np.ndarray] = {}
+        for part, piece in zip(self.parts, np.split(array, cuts, axis=self.axis), strict=True):
+            out.update(part.write(piece))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """One view per layer, stacked on a new leading axis (a scanned GPT's layers)."""
+
+    parts: tuple[Any, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.parts), *self.parts[0].shape)
+
+    def sources(self) -> dict[str, tuple[int, ...]]:
+        return {k: v for p in self.parts for k, v in p.sources().items()}
+
+    def read(self, tensors: Tensors, index: tuple[slice, ...]) -> np.ndarray:
+        lo, hi = _bounds(index, self.shape)[0]
+        return np.stack([self.parts[i].read(tensors, index[1:]) for i in range(lo, hi)])
+
+    def write(self, array: np.ndarray) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for part, layer in zip(self.parts, array, strict=True):
+            out.update(part.write(layer))
+        return out
+
+
+def _layer_views(cfg: GPTConfig, i: int) -> dict[tuple[str, ...], Any]:
+    d, f, n, k = cfg.dim, cfg.mlp_dim, cfg.n_kv_heads, cfg.head_dim
+    g, h = cfg.n_heads // n, cfg.n_heads
+    pre = f"model.layers.{i}."
+    attn, mlp = pre + "self_attn.", pre + "mlp."
+    views: dict[tuple[str, ...], Any] = {
+        # (heads out, D in) -> (D, N, G|1, K): factors [N, G, K], [D]; GPT order D, N, G, K.
+        ("attn", "wqkv"): Concat(
+            (
+                Source(attn + "q_proj.weight", ((n, g, k), (d,)), (3, 0, 1, 2)),
+                Source(attn + "k_proj.weight", ((n, 1, k), (d,)), (3, 0, 1, 2)),
+                Source(attn + "v_proj.weight", ((n, 1, k), (d,)), (3, 0, 1, 2)),
+            ),
+            axis=2,
+        ),
+        ("attn", "wo"): Source(attn + "o_proj.weight", ((d,), (h, k)), (1, 2, 0)),
+        ("attn_norm", "scale"): Source(pre + "input_layernorm.weight", ((d,),), (0,)),
+        ("mlp_norm", "scale"): Source(pre + "post_attention_layernorm.weight", ((d,),), (0,)),
+        ("mlp", "w_gate_up"): Concat(
+            (
+                Source(mlp + "gate_proj.weight", ((1, f), (d,)), (2, 0, 1)),
+                Source(mlp + "up_proj.weight", ((1, f), (d,)), (2, 0, 1)),
+            ),
+            axis=1,
+        ),
+        ("mlp", "w_down"): Source(mlp + "down_proj.weight", ((d,), (f,)), (1, 0)),
+    }
+    if cfg.qkv_bias:
+        views[("attn", "bqkv")] = Concat(
+            tuple(Source(attn + f"{w}_proj.bias", ((n, m, k),), (0, 1, 2)) for w, m in (("q", g), ("k", 1), ("v", 1))),
+            axis=1,
+        )
+    return views
+
+
+def views(cfg: GPTConfig) -> dict[tuple[str | int, ...], Any]:
+    """Every GPT parameter's path (as in its parameter tree) -> its view of checkpoint tensors."""
+    if cfg.n_experts:
+        raise ModelError("A mixture-of-experts GPT has no Llama/Mistral/Qwen2 checkpoint layout.")
+    out: dict[tuple[str | int, ...], Any] = {
+        ("embed",): Source("model.embed_tokens.weight", ((cfg.vocab,), (cfg.dim,)), (0, 1)),
+        ("final_norm", "scale"): Source("model.norm.weight", ((cfg.dim,),), (0,)),
+    }
+    if not cfg.tie_embeddings:
+        out[("lm_head",)] = Source("lm_head.weight", ((cfg.vocab,), (cfg.dim,)), (1, 0))
+    per_layer = [_layer_views(cfg, i) for i in range(cfg.n_layers)]
+    for path in per_layer[0]:
+        if cfg.scan_layers:
+            out[("blocks", *path)] = Stack(tuple(layer[path] for layer in per_layer))
+        else:
+            out.update({("blocks", i, *path): layer[path] for i, layer in enumerate(per_layer)})
+    return out
+
+
+def _path_key(path: Sequence[Any]) -> tuple[str | int, ...]:
+    return tuple(getattr(p, "key", getattr(p, "idx", p)) for p in path)
+
+
+# -- in ----------------------------------------------------------------------------------------
+
+
+def check_tensors(tensors: Tensors, cfg: GPTConfig) -> None:
+    """Every tensor the config needs is there with its shape, and nothing unexplained is left over."""
+    needed = {name: shape for view in views(cfg).values() for name, shape in view.sources().items()}
+    missing = sorted(set(needed) - tensors.names)
+    if missing:
+        raise CheckpointError(
+            f"{tensors.directory} lacks {len(missing)} tensors its config.json implies, e.g. {missing[:3]}."
+        )
+    for name, shape in needed.items():
+        if tensors.shape(name) != shape:
+            raise CheckpointError(f"{name} has shape {tensors.shape(name)}; config.json implies {shape}.")
+    extra = sorted(n for n in tensors.names - set(needed) if not n.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        raise CheckpointError(
+            f"{tensors.directory} has {len(extra)} tensors GPT has no place for, e.g. {extra[:3]} "
+            "(a bias or layer this architecture does not have)."
+        )
+
+
+def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    path = pathlib.Path(directory) / CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no {CONFIG}: pass a Hugging Face model directory.")
+    config: dict[str, Any] = json.loads(path.read_text())
+    return config
+
+
+def load_params(directory: str | os.PathLike[str], cfg: GPTConfig, shardings: Any) -> Any:
+    """GPT parameters read from a checkpoint, each born sharded: a process reads only the
+    blocks of the tensors its own devices hold.
+
+    Args:
+      directory: the Hugging Face model directory.
+      cfg: the GPT config (from :func:`gpt_config` of its ``config.json``).
+      shardings: a tree of ``jax.sharding.Sharding`` shaped like the GPT's parameters
+        (``trainer.state_shardings.params``).
+
+    Returns:
+      The parameter tree, in ``cfg.param_dtype``.
+    """
+    tensors = Tensors(directory)
+    check_tensors(tensors, cfg)
+    by_path = views(cfg)
+    dtype = _numpy_dtype(cfg.param_dtype)
+
+    def one(path: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+        view = by_path[_path_key(path)]
+        return jax.make_array_from_callback(
+            view.shape, sharding, lambda index: view.read(tensors, index).astype(dtype, copy=False)
+        )
+
+    return jax.tree_util.tree_map_with_path(one, shardings)
+
+
+# -- out ---------------------------------------------------------------------------------------
+
+
+def _host_arrays(params: Any) -> Any:
+    """Each parameter as one host NumPy array (gathered across processes where needed)."""
+    from jax.experimental import multihost_utils
+
+    def one(x: jax.Array) -> np.ndarray:
+        if getattr(x, "is_fully_addressable", True):
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, params)
+
+
+def save_pretrained(
+    params: Any,
+    cfg: GPTConfig,
+    directory: str | os.PathLike[str],
+    *,
+    base_config: Mapping[str, Any] | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> pathlib.Path:
+    """Write ``params`` as a Hugging Face checkpoint other tools load.
+
+    The directory is written whole or not at all (a temporary sibling renamed into place); on
+    several processes all take part in gathering and process 0 writes.
+
+    Args:
+      params: the GPT's parameters (``state.params``).
+      cfg: their GPTConfig.
+      directory: where to write; must not exist yet.
+      base_config: the imported checkpoint's ``config.json``, to keep its other keys.
+      max_shard_bytes: the largest ``.safetensors`` file; more make an index, as Hugging Face does.
+
+    Returns:
+      The directory.
+    """
+    from safetensors.numpy import save_file
+
+    target = pathlib.Path(directory)
+    if target.exists():
+        raise CheckpointError(f"{target} exists; export writes a new directory (remove it or choose another).")
+    host = _host_arrays(params)
+    if jax.process_index() != 0:
+        return target
+    flat = {_path_key(p): a for p, a in jax.tree_util.tree_flatten_with_path(host)[0]}
+    tensors: dict[str, np.ndarray] = {}
+    for path, view in views(cfg).items():
+        tensors.update(view.write(flat[path]))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        shards: list[dict[str, np.ndarray]] = [{}]
+        for name in sorted(tensors):
+            if shards[-1] and sum(a.nbytes for a in shards[-1].values()) + tensors[name].nbytes > max_shard_bytes:
+                shards.append({})
+            shards[-1][name] = np.ascontiguousarray(tensors[name])
+        names = (
+            ["model.safetensors"]
+            if len(shards) == 1
+            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        )
+        for file, shard in zip(names, shards, strict=True):
+            save_file(shard, str(staging / file), metadata={"format": "pt"})
+        if len(shards) > 1:
+            weight_map = {t: file for file, shard in zip(names, shards, strict=True) for t in shard}
+            total = sum(a.nbytes for a in tensors.values())
+            (staging / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+        dtype = str(next(iter(tensors.values())).dtype)
+        (staging / CONFIG).write_text(json.dumps(hf_config(cfg, base_config, dtype), indent=2))
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
