@@ -136,6 +136,7 @@ EXAMPLES = {
     "plan": "example: shardkit plan --model llama2-7b --devices 64 --hardware h100 --batch 256 --seq 4096",
     "launch": "example: shardkit launch --nproc 2 -- shardkit train --layout data=2,fsdp=2,tensor=2 --steps 50",
     "export": "example: shardkit export --model tiny --checkpoint-dir runs/tiny/checkpoints --out tiny-hf",
+    "tokenizer": "example: shardkit tokenizer train --vocab 1024 --out tokenizer.json",
 }
 
 
@@ -194,12 +195,21 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
 def _export_parser(sub: argparse._SubParsersAction) -> None:
     exp = _subcommand(sub, "export", "write a training checkpoint's weights as a Hugging Face checkpoint")
     required = {"checkpoint_dir": {"required": True}}
-    add_flags(exp, TrainConfig, only=("model", "init_from", "checkpoint_dir"), overrides=required)
+    add_flags(exp, TrainConfig, only=("model", "init_from", "tokenizer", "checkpoint_dir"), overrides=required)
     exp.add_argument("--out", required=True, help="the directory to create (config.json + *.safetensors)")
     exp.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest that verifies)")
     exp.add_argument(
         "--format", choices=("hf",), default="hf", help="hf: Hugging Face safetensors, loadable as Llama/Qwen2"
     )
+
+
+def _tokenizer_parser(sub: argparse._SubParsersAction) -> None:
+    tok = _subcommand(sub, "tokenizer", "train a byte-level BPE tokenizer (tokenizer.json) on text")
+    actions = tok.add_subparsers(dest="action", required=True)
+    train = actions.add_parser("train", help="learn BPE merges from the text", formatter_class=DefaultsHelp)
+    train.add_argument("--vocab", type=int, required=True, help="tokens in the vocabulary (>= 256)")
+    train.add_argument("--out", required=True, help="the tokenizer.json to write")
+    add_flags(train, TrainConfig, only=("data",))
 
 
 def _inspect(cfg: Any, as_json: bool) -> None:
@@ -253,6 +263,7 @@ def build_parser(file_defaults: Mapping[str, Any] | None = None) -> argparse.Arg
     _plan_parser(sub)
     _launch_parser(sub)
     _export_parser(sub)
+    _tokenizer_parser(sub)
     return parser
 
 
@@ -302,7 +313,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "export":
             from shardkit.run import export_checkpoint
 
-            export_checkpoint(args.model, args.init_from, args.checkpoint_dir, args.out, args.step)
+            export_checkpoint(args.model, args.init_from, args.checkpoint_dir, args.out, args.step, args.tokenizer)
+        elif args.command == "tokenizer":
+            from shardkit.data import builtin_corpus, load_text
+            from shardkit.tokenizer import train_bpe
+
+            text = load_text(args.data) if args.data else builtin_corpus()
+            tok = train_bpe(text, args.vocab, args.out)
+            per = len(tok.encode(text[:100_000].decode("utf-8", errors="replace")).ids) / len(text[:100_000])
+            print(f"wrote {args.out}: byte-level BPE, vocab {tok.get_vocab_size()}, {per:.2f} tokens per byte")
         elif args.command == "plan":
             from shardkit.plan import run_cli as plan_cli
 

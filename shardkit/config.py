@@ -56,6 +56,11 @@ class TrainConfig:
         "start from a Hugging Face checkpoint directory (config.json + *.safetensors; Llama, Mistral or Qwen2): "
         "the model is the checkpoint's, not --model's",
     )
+    tokenizer: str | None = setting(
+        None,
+        "a tokenizer.json (Hugging Face tokenizers) to cut the text with; a preset's vocabulary becomes its size. "
+        "Default: byte tokens (vocab 256), or the --init-from checkpoint's own tokenizer.json",
+    )
     layout: str = setting("data=2,fsdp=2,tensor=2", "mesh axis sizes, e.g. data=2,fsdp=-1,tensor=2 (-1 fills the rest)")
     steps: int = setting(500, "optimizer steps")
     batch: int = setting(16, "global batch (sequences per step)")

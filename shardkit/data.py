@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sysconfig
+from typing import Any
 
 import numpy as np
 
@@ -71,7 +72,8 @@ def load_text(path: str | pathlib.Path) -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class TextDataset:
-    """Byte-level tokens (vocabulary 256) with deterministic random windows per step.
+    """Tokens of a text (bytes, vocabulary 256, unless a tokenizer cut them) with deterministic
+    random windows per step.
 
     A batch depends only on ``(seed, step)``, so the data position of a run is its step, a
     restarted run sees the same batches, and each process can cut its own rows of the global batch.
@@ -82,10 +84,12 @@ class TextDataset:
       (4, 9)
     """
 
-    tokens: np.ndarray  # (N,) uint8
+    tokens: np.ndarray  # (N,) uint8 bytes, or int32 token ids
     seed: int = 0
+    vocab: int = 256
+    tokenizer: Any = dataclasses.field(default=None, compare=False, repr=False)  # a tokenizers.Tokenizer
 
-    VOCAB = 256
+    VOCAB = 256  # byte tokens
 
     @classmethod
     def from_bytes(cls, text: bytes, seed: int = 0) -> TextDataset:
@@ -97,6 +101,13 @@ class TextDataset:
         if not len(text):
             raise InputError("TextDataset.from_bytes got empty text; give it some text to train on.")
         return cls(np.frombuffer(text, dtype=np.uint8).copy(), seed)
+
+    @classmethod
+    def from_text(cls, text: bytes, tokenizer: Any, seed: int = 0) -> TextDataset:
+        """Tokens of ``text`` (UTF-8 bytes) cut by a ``tokenizers.Tokenizer`` (:mod:`shardkit.tokenizer`)."""
+        byte_tokens = cls.from_bytes(text, seed)  # the same checks of the text
+        ids = tokenizer.encode(bytes(byte_tokens.tokens).decode("utf-8", errors="replace")).ids
+        return cls(np.asarray(ids, dtype=np.int32), seed, tokenizer.get_vocab_size(), tokenizer)
 
     @classmethod
     def builtin(cls, seed: int = 0) -> TextDataset:
@@ -158,10 +169,17 @@ class TextDataset:
         if not 0.0 < held_out < 1.0:
             raise InputError(f"TextDataset.split: held_out={held_out!r}; give a fraction in (0, 1), e.g. 0.05.")
         cut = round(len(self.tokens) * (1 - held_out))
-        return TextDataset(self.tokens[:cut], self.seed), TextDataset(self.tokens[cut:], self.seed)
+        return (
+            dataclasses.replace(self, tokens=self.tokens[:cut]),
+            dataclasses.replace(self, tokens=self.tokens[cut:]),
+        )
 
     def decode(self, tokens: np.ndarray) -> str:
+        if self.tokenizer is not None:
+            return str(self.tokenizer.decode(np.asarray(tokens).tolist()))
         return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
 
     def encode(self, text: str) -> np.ndarray:
+        if self.tokenizer is not None:
+            return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)

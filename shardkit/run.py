@@ -19,10 +19,10 @@ import jax
 import numpy as np
 import optax
 
-from shardkit import run_dir
+from shardkit import run_dir, tokenizer
 from shardkit.checkpoint import Checkpointer
 from shardkit.config import OPTIMIZER_NAMES, TrainConfig
-from shardkit.data import TextDataset, load_text
+from shardkit.data import TextDataset, builtin_corpus, load_text
 from shardkit.distributed import is_primary
 from shardkit.errors import CheckpointError, InputError, ModelError
 from shardkit.generate import generate
@@ -120,13 +120,31 @@ class _Loop:
     evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, held-out loss)
 
 
-def _model_of(cfg: TrainConfig) -> tuple[GPTConfig, str]:
-    """The GPT of the run and its name: a preset's, or a Hugging Face checkpoint's (``--init-from``)."""
+def _model_of(cfg: TrainConfig, vocab: int | None = None) -> tuple[GPTConfig, str]:
+    """The GPT of the run and its name: a preset's (its vocabulary the tokenizer's when ``vocab``
+    is given), or a Hugging Face checkpoint's (``--init-from``)."""
     if cfg.init_from:
         return hf.gpt_config(hf.read_config(cfg.init_from), dropout=cfg.dropout, remat=cfg.remat), _hf_name(cfg)
     if cfg.model not in GPTConfig.preset_names():
         raise ModelError(f"--model {cfg.model!r} is not a preset; choose one of {', '.join(GPTConfig.preset_names())}.")
-    return GPTConfig.preset(cfg.model, dropout=cfg.dropout, remat=cfg.remat), f"GPT-{cfg.model}"
+    sizes = {"vocab": vocab} if vocab is not None else {}
+    return GPTConfig.preset(cfg.model, dropout=cfg.dropout, remat=cfg.remat, **sizes), f"GPT-{cfg.model}"
+
+
+def _tokenizer_path(cfg: TrainConfig) -> str | None:
+    """``--tokenizer``, else the ``--init-from`` checkpoint's own tokenizer.json, else None (bytes)."""
+    if cfg.tokenizer:
+        return cfg.tokenizer
+    shipped = pathlib.Path(cfg.init_from or "") / tokenizer.FILE
+    return str(shipped) if cfg.init_from and shipped.is_file() else None
+
+
+def _dataset_of(cfg: TrainConfig) -> TextDataset:
+    text = load_text(cfg.data) if cfg.data else builtin_corpus()
+    path = _tokenizer_path(cfg)
+    if path is None:
+        return TextDataset.from_bytes(text, cfg.seed)
+    return TextDataset.from_text(text, tokenizer.load(path), cfg.seed)
 
 
 def _hf_name(cfg: TrainConfig) -> str:
@@ -143,7 +161,12 @@ def _fresh_state(cfg: TrainConfig, trainer: Trainer) -> Any:
 
 
 def export_checkpoint(
-    model: str, init_from: str | None, checkpoint_dir: str, out: str, step: int | None = None
+    model: str,
+    init_from: str | None,
+    checkpoint_dir: str,
+    out: str,
+    step: int | None = None,
+    tokenizer_path: str | None = None,
 ) -> pathlib.Path:
     """Write the parameters of a ``shardkit train`` checkpoint as a Hugging Face checkpoint.
 
@@ -153,14 +176,17 @@ def export_checkpoint(
       checkpoint_dir: the run's checkpoints (``--checkpoint-dir``, or ``RUN_DIR/checkpoints``).
       out: the new directory.
       step: the step to export; None: the newest that verifies.
+      tokenizer_path: the run's ``--tokenizer`` (it sets a preset's vocabulary); copied into ``out``.
 
     Returns:
       ``out``.
     """
     if pathlib.Path(out).exists():
         raise CheckpointError(f"{out} exists; export writes a new directory (remove it or choose another).")
-    cfg = TrainConfig(model=model, init_from=init_from, checkpoint_dir=checkpoint_dir)
-    gpt_cfg, name = _model_of(cfg)
+    cfg = TrainConfig(model=model, init_from=init_from, checkpoint_dir=checkpoint_dir, tokenizer=tokenizer_path)
+    path = _tokenizer_path(cfg)
+    tok = tokenizer.load(path) if path else None
+    gpt_cfg, name = _model_of(cfg, tok.get_vocab_size() if tok is not None else None)
     ckpt = Checkpointer(checkpoint_dir)
     newest = ckpt.latest_step()
     precision = ckpt.record(step if step is not None else newest)["precision"] if newest is not None else "fp32"
@@ -168,6 +194,8 @@ def export_checkpoint(
     state, record = ckpt.restore(trainer, step, reset_optimizer=True)
     base = hf.read_config(init_from) if init_from else None
     written = hf.save_pretrained(state.params, gpt_cfg, out, base_config=base)
+    if tok is not None and is_primary():
+        tok.save(str(written / tokenizer.FILE))  # a checkpoint ships the tokenizer it was trained with
     if is_primary():
         print(f"wrote {written} (step {record['step']} of {checkpoint_dir}, model {name})")
     return written
@@ -175,11 +203,11 @@ def export_checkpoint(
 
 def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
     """The dataset and the trainer of the main job, checked and described before any compile."""
-    gpt_cfg, name = _model_of(cfg)
-    text = load_text(cfg.data) if cfg.data else None
-    dataset = TextDataset.from_bytes(text, cfg.seed) if text is not None else TextDataset.builtin(cfg.seed)
-    if gpt_cfg.vocab < TextDataset.VOCAB:
-        raise ModelError(f"The model {name} has vocab {gpt_cfg.vocab} < 256 byte tokens.")
+    dataset = _dataset_of(cfg)
+    gpt_cfg, name = _model_of(cfg, dataset.vocab if dataset.tokenizer is not None else None)
+    if gpt_cfg.vocab < dataset.vocab:
+        what = "the tokenizer's" if dataset.tokenizer is not None else "the byte tokens'"
+        raise ModelError(f"The model {name} has vocab {gpt_cfg.vocab} < {what} {dataset.vocab}.")
     if cfg.seq > gpt_cfg.max_seq:
         raise InputError(f"--seq {cfg.seq} exceeds the {name} model's max_seq={gpt_cfg.max_seq}.")
     trainer = Trainer(
@@ -198,7 +226,8 @@ def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
     print(
         f"shardkit: {trainer.mesh.devices.size} {jax.devices()[0].platform} device(s), layout "
         f"{trainer.layout.spec()}, model {name} ({gpt_cfg.num_params() / 1e6:.2f}M parameters), precision "
-        f"{cfg.precision}, batch {cfg.batch} x seq {cfg.seq}, {len(dataset.tokens):,} tokens of text",
+        f"{cfg.precision}, batch {cfg.batch} x seq {cfg.seq}, {len(dataset.tokens):,} tokens of text"
+        + (f" (tokenizer {_tokenizer_path(cfg)}, vocab {dataset.vocab})" if dataset.tokenizer is not None else ""),
         file=out,
     )
     print(trainer.format_sharding_table(), file=out)

@@ -32,6 +32,7 @@ LAYERS = {
         "progress",
         "run_dir",
         "estimate",
+        "tokenizer",
     },
     1: {
         "partition",
