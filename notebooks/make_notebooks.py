@@ -573,9 +573,9 @@ FINETUNE = [
     (
         "code",
         "import shardkit as sk\n\nsk.simulate_devices(8)\n\n"
-        "import json, pathlib, shutil\n"
-        "import jax\nimport matplotlib.pyplot as plt\nimport numpy as np\nimport optax\n"
-        "from safetensors import safe_open\nfrom safetensors.numpy import save_file\n"
+        "import json\nimport pathlib\nimport shutil\n\n"
+        "import matplotlib.pyplot as plt\nimport numpy as np\nimport optax\n"
+        "from safetensors import safe_open\nfrom safetensors.numpy import save_file\n\n"
         "from shardkit.tokenizer import train_bpe",
     ),
     (
