@@ -8,6 +8,9 @@ coordinator come from, in order:
 2. shardkit's launcher variables ``SHARDKIT_COORDINATOR``, ``SHARDKIT_NUM_PROCESSES``,
    ``SHARDKIT_PROCESS_ID`` (and ``SHARDKIT_LOCAL_DEVICES`` for simulated CPU devices);
 3. JAX's own ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``;
+   in a Kubernetes Indexed Job (or a JobSet) the rank, when not given, is the pod's
+   ``JOB_COMPLETION_INDEX`` (plus ``JOB_INDEX`` times the pods per job under a JobSet), which the
+   Job controller sets (``docs/kubernetes.md`` has a manifest);
 4. a SLURM job step or an Open MPI launch: JAX's own cluster detection fills everything in.
 
 Example (one line per process; ``shardkit launch`` does this for you)::
@@ -58,11 +61,14 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterSpec | None:
     for prefix in ("SHARDKIT", "JAX"):
         count = _int(env, f"{prefix}_NUM_PROCESSES")
         if count is not None:
+            rank, source = _int(env, f"{prefix}_PROCESS_ID"), f"{prefix}_* variables"
+            if rank is None and _int(env, "JOB_COMPLETION_INDEX") is not None:
+                rank, source = _kubernetes_rank(env, count), f"Kubernetes Indexed Job, {prefix}_* variables"
             return ClusterSpec(
-                source=f"{prefix}_* variables",
+                source=source,
                 coordinator=env.get(f"{prefix}_COORDINATOR") or env.get(f"{prefix}_COORDINATOR_ADDRESS"),
                 num_processes=count,
-                process_id=_int(env, f"{prefix}_PROCESS_ID"),
+                process_id=rank,
                 local_devices=_int(env, "SHARDKIT_LOCAL_DEVICES"),
             )
     tasks = _int(env, "SLURM_NTASKS")
@@ -72,6 +78,16 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterSpec | None:
     if world is not None and world > 1:
         return ClusterSpec("Open MPI", None, world, _int(env, "OMPI_COMM_WORLD_RANK"))
     return None
+
+
+def _kubernetes_rank(env: Mapping[str, str], count: int) -> int | None:
+    """The rank of a pod of an Indexed Job: its completion index; under a JobSet of several
+    replicated jobs, ``JOB_INDEX`` x (pods per job) + the completion index, where the pods per job
+    come from ``SHARDKIT_PODS_PER_JOB`` (default: all processes in one job)."""
+    index = _int(env, "JOB_COMPLETION_INDEX")
+    job = _int(env, "JOB_INDEX") or 0
+    per_job = _int(env, "SHARDKIT_PODS_PER_JOB") or count
+    return None if index is None else job * per_job + index
 
 
 UNREACHABLE = """\
