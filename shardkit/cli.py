@@ -6,6 +6,7 @@ With no GPU present, JAX runs on ``--devices`` (default 8) simulated CPU devices
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -137,6 +138,7 @@ EXAMPLES = {
     "launch": "example: shardkit launch --nproc 2 -- shardkit train --layout data=2,fsdp=2,tensor=2 --steps 50",
     "export": "example: shardkit export --model tiny --checkpoint-dir runs/tiny/checkpoints --out tiny-hf",
     "tokenizer": "example: shardkit tokenizer train --vocab 1024 --out tokenizer.json",
+    "eval": "example: shardkit eval --model tiny --checkpoint runs/tiny/checkpoints --eval-batches 8",
 }
 
 
@@ -145,6 +147,9 @@ HARDWARE_FLAG: dict[str, Any] = dict(
     help="the device to plan for: h100, h200, a100, tpu-v5p, tpu-v5e, or a JSON profile (dryrun says whether the "
     "step fits one; plan ranks layouts on it)",
 )
+# The flags that name a saved run's model and checkpoints (export, eval).
+SAVED_RUN = ("model", "init_from", "tokenizer", "checkpoint_dir")
+REQUIRED_CHECKPOINT = {"checkpoint_dir": {"required": True, "aliases": ("--checkpoint",)}}
 # The commands whose settings are one config dataclass, and so also come from --config FILE key=value.
 CONFIGS = {"train": TrainConfig, "dryrun": DryRunSettings, "inspect": DryRunSettings}
 
@@ -194,13 +199,20 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
 
 def _export_parser(sub: argparse._SubParsersAction) -> None:
     exp = _subcommand(sub, "export", "write a training checkpoint's weights as a Hugging Face checkpoint")
-    required = {"checkpoint_dir": {"required": True}}
-    add_flags(exp, TrainConfig, only=("model", "init_from", "tokenizer", "checkpoint_dir"), overrides=required)
+    add_flags(exp, TrainConfig, only=SAVED_RUN, overrides=REQUIRED_CHECKPOINT)
     exp.add_argument("--out", required=True, help="the directory to create (config.json + *.safetensors)")
     exp.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest that verifies)")
     exp.add_argument(
         "--format", choices=("hf",), default="hf", help="hf: Hugging Face safetensors, loadable as Llama/Qwen2"
     )
+
+
+def _eval_parser(sub: argparse._SubParsersAction) -> None:
+    ev = _subcommand(sub, "eval", "held-out loss and perplexity of a saved training run")
+    only = (*SAVED_RUN, "layout", "devices", "batch", "seq", "eval_batches", "data", "seed")
+    add_flags(ev, TrainConfig, only=only, overrides=REQUIRED_CHECKPOINT)
+    ev.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest that verifies)")
+    ev.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def _tokenizer_parser(sub: argparse._SubParsersAction) -> None:
@@ -218,8 +230,6 @@ def _inspect(cfg: Any, as_json: bool) -> None:
 
     trainer, batch = trainer_for(cfg)
     if as_json:  # the same facts for a program: the table's rows, the report, the warnings
-        import json
-
         report = trainer.report(batch)
         out = {
             "model": trainer.model.name,
@@ -263,6 +273,7 @@ def build_parser(file_defaults: Mapping[str, Any] | None = None) -> argparse.Arg
     _plan_parser(sub)
     _launch_parser(sub)
     _export_parser(sub)
+    _eval_parser(sub)
     _tokenizer_parser(sub)
     return parser
 
@@ -313,7 +324,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "export":
             from shardkit.run import export_checkpoint
 
-            export_checkpoint(args.model, args.init_from, args.checkpoint_dir, args.out, args.step, args.tokenizer)
+            export_checkpoint(config_from(TrainConfig, args), args.out, args.step)
+        elif args.command == "eval":
+            from shardkit import distributed
+
+            if distributed.initialize() is None:
+                _use_simulated_devices_if_no_accelerator(_devices_for(args.layout, args.devices))
+            from shardkit.run import eval_checkpoint
+
+            result = eval_checkpoint(config_from(TrainConfig, args), args.step)
+            if args.json:
+                print(json.dumps(result))
         elif args.command == "tokenizer":
             from shardkit.data import builtin_corpus, load_text
             from shardkit.tokenizer import train_bpe

@@ -120,7 +120,8 @@ def add_flags(
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """Add one flag per field of the dataclass ``cls`` (``only``: just these fields;
-    ``overrides``: extra ``add_argument`` keywords per field name, e.g. ``required=True``)."""
+    ``overrides``: extra ``add_argument`` keywords per field name, e.g. ``required=True``, and
+    ``aliases``: more option strings for it)."""
     hints, overrides = typing.get_type_hints(cls), overrides or {}
     chosen = None if only is None else set(only)
     for field in dataclasses.fields(cls):
@@ -140,7 +141,8 @@ def add_flags(
                 kwargs["choices"] = meta["choices"]
             if typing.get_origin(base) is tuple and field.default is not None:
                 kwargs["default"] = ",".join(str(v) for v in field.default)  # type: ignore[union-attr]  # shown in --help
-        parser.add_argument(flag_of(field), **{**kwargs, **overrides.get(field.name, {})})
+        extra = dict(overrides.get(field.name, {}))
+        parser.add_argument(flag_of(field), *extra.pop("aliases", ()), **{**kwargs, **extra})
 
 
 def config_from(cls: type, args: argparse.Namespace, **extra: Any) -> Any:

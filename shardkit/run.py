@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import pathlib
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -160,45 +161,79 @@ def _fresh_state(cfg: TrainConfig, trainer: Trainer) -> Any:
     return trainer.init(cfg.seed, params=hf.load_params(cfg.init_from, gpt_cfg, trainer.state_shardings.params))
 
 
-def export_checkpoint(
-    model: str,
-    init_from: str | None,
-    checkpoint_dir: str,
-    out: str,
-    step: int | None = None,
-    tokenizer_path: str | None = None,
-) -> pathlib.Path:
+def _saved_model(cfg: TrainConfig) -> tuple[GPTConfig, str]:
+    """The model of a saved run, as its flags named it (a tokenizer sets a preset's vocabulary)."""
+    path = _tokenizer_path(cfg)
+    return _model_of(cfg, tokenizer.load(path).get_vocab_size() if path else None)
+
+
+def restore_params(cfg: TrainConfig, step: int | None = None, layout: str = "data=-1") -> tuple[Trainer, Any, dict]:
+    """The parameters of a saved ``shardkit train`` run, laid out by ``layout``.
+
+    ``cfg`` names the run's model as its flags did (``model`` or ``init_from``, and ``tokenizer``,
+    which sets a preset's vocabulary) and its ``checkpoint_dir``; the optimizer state is not read.
+
+    Returns:
+      ``(trainer, state, record)``: a trainer of the model (the checkpoint's precision), the
+      state with its parameters, and the checkpoint's record.
+    """
+    gpt_cfg, name = _saved_model(cfg)
+    ckpt = Checkpointer(cfg.checkpoint_dir or "")
+    newest = ckpt.latest_step()
+    precision = ckpt.record(step if step is not None else newest)["precision"] if newest is not None else "fp32"
+    trainer = Trainer(gpt_cfg.model(name=name), optax.sgd(0.0), layout, precision=precision)
+    state, record = ckpt.restore(trainer, step, reset_optimizer=True)
+    return trainer, state, record
+
+
+def export_checkpoint(cfg: TrainConfig, out: str, step: int | None = None) -> pathlib.Path:
     """Write the parameters of a ``shardkit train`` checkpoint as a Hugging Face checkpoint.
 
     Args:
-      model: the run's ``--model`` preset (ignored with ``init_from``).
-      init_from: the run's ``--init-from`` directory, whose config.json's other keys are kept.
-      checkpoint_dir: the run's checkpoints (``--checkpoint-dir``, or ``RUN_DIR/checkpoints``).
+      cfg: the run's model flags (``model`` or ``init_from``, whose config.json's other keys are
+        kept; ``tokenizer``, copied into ``out``) and its ``checkpoint_dir``.
       out: the new directory.
       step: the step to export; None: the newest that verifies.
-      tokenizer_path: the run's ``--tokenizer`` (it sets a preset's vocabulary); copied into ``out``.
 
     Returns:
       ``out``.
     """
     if pathlib.Path(out).exists():
         raise CheckpointError(f"{out} exists; export writes a new directory (remove it or choose another).")
-    cfg = TrainConfig(model=model, init_from=init_from, checkpoint_dir=checkpoint_dir, tokenizer=tokenizer_path)
-    path = _tokenizer_path(cfg)
-    tok = tokenizer.load(path) if path else None
-    gpt_cfg, name = _model_of(cfg, tok.get_vocab_size() if tok is not None else None)
-    ckpt = Checkpointer(checkpoint_dir)
-    newest = ckpt.latest_step()
-    precision = ckpt.record(step if step is not None else newest)["precision"] if newest is not None else "fp32"
-    trainer = Trainer(gpt_cfg.model(name=name), optax.sgd(0.0), "data=-1", precision=precision)
-    state, record = ckpt.restore(trainer, step, reset_optimizer=True)
-    base = hf.read_config(init_from) if init_from else None
+    _, state, record = restore_params(cfg, step)
+    gpt_cfg, name = _saved_model(cfg)
+    base = hf.read_config(cfg.init_from) if cfg.init_from else None
     written = hf.save_pretrained(state.params, gpt_cfg, out, base_config=base)
-    if tok is not None and is_primary():
-        tok.save(str(written / tokenizer.FILE))  # a checkpoint ships the tokenizer it was trained with
+    path = _tokenizer_path(cfg)
+    if path and is_primary():
+        shutil.copyfile(path, written / tokenizer.FILE)  # a checkpoint ships the tokenizer it was trained with
     if is_primary():
-        print(f"wrote {written} (step {record['step']} of {checkpoint_dir}, model {name})")
+        print(f"wrote {written} (step {record['step']} of {cfg.checkpoint_dir}, model {name})")
     return written
+
+
+def eval_checkpoint(cfg: TrainConfig, step: int | None = None, out: TextIO | None = None) -> dict[str, Any]:
+    """Held-out loss and perplexity of a saved run: ``cfg.eval_batches`` batches of ``cfg.batch``
+    x ``cfg.seq`` from the last 5% of the text (the part ``--eval-every`` holds out), under
+    ``cfg.layout``. Prints one line; returns ``{"step", "eval_loss", "eval_perplexity", ...}``."""
+    out = sys.stdout if out is None else out
+    trainer, state, record = restore_params(cfg, step, cfg.layout)
+    _, held_out = _dataset_of(cfg).split(HELD_OUT)
+    loss = evaluate_held_out(cfg, trainer, held_out, state.params)
+    result = {
+        "step": record["step"],
+        "eval_loss": loss,
+        "eval_perplexity": math.exp(loss),
+        "batches": cfg.eval_batches,
+        "tokens_per_batch": cfg.batch * cfg.seq,
+    }
+    if is_primary():
+        print(
+            f"{cfg.checkpoint_dir} step {record['step']}: held-out loss {loss:.4f}, perplexity {math.exp(loss):.2f} "
+            f"({cfg.eval_batches} batches of {cfg.batch} x {cfg.seq}, layout {trainer.layout.spec()})",
+            file=out,
+        )
+    return result
 
 
 def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:

@@ -63,6 +63,23 @@ def test_training_logs_the_held_out_loss_every_n_steps(tmp_path, capsys):
     assert "eval at step 4: held-out loss" in capsys.readouterr().out
 
 
+def test_shardkit_eval_of_a_saved_run_equals_the_runs_own_last_evaluation(tmp_path, capsys):
+    """The held-out loss `shardkit eval --checkpoint` computes from the saved parameters is the one
+    the run logged at its last step, under the run's layout and under another."""
+    log, ck = tmp_path / "log.jsonl", str(tmp_path / "ck")
+    small = ["--model", "tiny", "--batch", "8", "--seq", "32", "--eval-batches", "2"]
+    argv = ["train", *small, "--steps", "3", "--sample-tokens", "0", "--eval-every", "3", "--json-log", str(log)]
+    assert cli.main([*argv, "--checkpoint-dir", ck]) == 0
+    logged = [json.loads(line) for line in log.read_text().splitlines()][-1]
+    capsys.readouterr()
+    for layout in ("data=2,fsdp=2,tensor=2", "fsdp=8"):
+        assert cli.main(["eval", *small, "--checkpoint", ck, "--layout", layout, "--json"]) == 0
+        result = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert result["step"] == 3
+        np.testing.assert_allclose(result["eval_loss"], logged["eval_loss"], rtol=2e-5)
+    assert cli.main(["eval", *small, "--checkpoint", str(tmp_path / "none")]) == 2  # no checkpoint: an error
+
+
 def test_tensorboard_gets_the_runs_scalars(tmp_path):
     from shardkit.config import TrainConfig
     from shardkit.run import OPTIMIZERS, _schedule  # noqa: F401  (the schedule the run follows)
