@@ -76,7 +76,11 @@ class TrainConfig:
     optimizer: str = setting("adamw", "the optax optimizer", choices=OPTIMIZER_NAMES)
     dropout: float = setting(0.0, "dropout rate (the same masks on every layout)")
     seed: int = setting(0, "seed of the initial parameters, dropout and data order")
-    data: str | None = setting(None, "a text file (or directory of *.txt) instead of the built-in corpus")
+    data: str | None = setting(
+        None,
+        "a text file (or directory of *.txt) instead of the built-in corpus; or a corpus packed into rows by Grain: "
+        ".jsonl (a 'text' field per line), .npy or nanoGPT's .bin of token ids",
+    )
     json_log: str | None = setting(None, "write one JSON object per step to this file")
     precision: str = setting("fp32", "mixed-precision policy", choices=PRECISION_NAMES)
     microbatches: int = setting(1, "gradient accumulation steps; with stage>1, the microbatches in the pipeline")

@@ -139,7 +139,7 @@ class TextDataset:
         """
         for name, value, least in (("step", step, 0), ("batch_size", batch_size, 1), ("seq_len", seq_len, 1)):
             if not isinstance(value, (int, np.integer)) or value < least:
-                raise InputError(f"TextDataset.batch: {name}={value!r}; give an integer >= {least}.")
+                raise InputError(f"{type(self).__name__}.batch: {name}={value!r}; give an integer >= {least}.")
         if len(self.tokens) <= seq_len + 1:
             raise InputError(
                 f"The text has {len(self.tokens)} tokens, too few for windows of seq_len+1={seq_len + 1}. "
@@ -150,12 +150,18 @@ class TextDataset:
                 f"Global batch {batch_size} does not divide over {process_count} processes; "
                 f"use a multiple of {process_count}."
             )
+        per = batch_size // process_count
+        mine = np.arange(batch_size)[
+            rows if rows is not None else slice(process_index * per, (process_index + 1) * per)
+        ]
+        return {"tokens": self.windows(step, batch_size, seq_len, mine)}
+
+    def windows(self, step: int, batch_size: int, seq_len: int, rows: np.ndarray) -> np.ndarray:
+        """``(len(rows), seq_len + 1)`` int32: rows ``rows`` of step ``step``'s global batch, each a
+        window of the text starting at a random place drawn from ``(seed, step)``."""
         rng = np.random.default_rng([self.seed, step])
         starts = rng.integers(0, len(self.tokens) - seq_len - 1, size=batch_size)
-        per = batch_size // process_count
-        mine = starts[rows] if rows is not None else starts[process_index * per : (process_index + 1) * per]
-        windows = np.stack([self.tokens[s : s + seq_len + 1] for s in mine]).astype(np.int32)
-        return {"tokens": windows}
+        return np.stack([self.tokens[s : s + seq_len + 1] for s in starts[rows]]).astype(np.int32)
 
     def split(self, held_out: float = 0.05) -> tuple[TextDataset, TextDataset]:
         """``(train, held_out)``: the text cut in two at ``1 - held_out`` of its tokens, so no

@@ -29,6 +29,7 @@ from shardkit.errors import CheckpointError, InputError, ModelError
 from shardkit.generate import generate
 from shardkit.models import hf
 from shardkit.models.gpt import GPTConfig
+from shardkit.packed import PackedDataset, is_packed_source
 from shardkit.progress import Progress
 from shardkit.run_log import HELD_OUT, Profiler, evaluate_held_out, log_step, mfu_text, open_json_log
 from shardkit.stopping import StopRequests
@@ -141,11 +142,14 @@ def _tokenizer_path(cfg: TrainConfig) -> str | None:
 
 
 def _dataset_of(cfg: TrainConfig) -> TextDataset:
-    text = load_text(cfg.data) if cfg.data else builtin_corpus()
+    """The run's text: random windows of a text file or the built-in corpus, or a ``.jsonl``,
+    ``.npy`` or ``.bin`` corpus packed into rows by Grain (:mod:`shardkit.packed`)."""
     path = _tokenizer_path(cfg)
-    if path is None:
-        return TextDataset.from_bytes(text, cfg.seed)
-    return TextDataset.from_text(text, tokenizer.load(path), cfg.seed)
+    tok = tokenizer.load(path) if path else None
+    if cfg.data and is_packed_source(cfg.data):
+        return PackedDataset.from_file(cfg.data, tok, cfg.seed)
+    text = load_text(cfg.data) if cfg.data else builtin_corpus()
+    return TextDataset.from_bytes(text, cfg.seed) if tok is None else TextDataset.from_text(text, tok, cfg.seed)
 
 
 def _hf_name(cfg: TrainConfig) -> str:
@@ -239,9 +243,10 @@ def eval_checkpoint(cfg: TrainConfig, step: int | None = None, out: TextIO | Non
 def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
     """The dataset and the trainer of the main job, checked and described before any compile."""
     dataset = _dataset_of(cfg)
-    gpt_cfg, name = _model_of(cfg, dataset.vocab if dataset.tokenizer is not None else None)
+    own_vocab = dataset.tokenizer is not None or dataset.vocab != TextDataset.VOCAB  # tokenizer or token ids
+    gpt_cfg, name = _model_of(cfg, dataset.vocab if own_vocab else None)
     if gpt_cfg.vocab < dataset.vocab:
-        what = "the tokenizer's" if dataset.tokenizer is not None else "the byte tokens'"
+        what = "the tokenizer's" if dataset.tokenizer is not None else "the data's"
         raise ModelError(f"The model {name} has vocab {gpt_cfg.vocab} < {what} {dataset.vocab}.")
     if cfg.seq > gpt_cfg.max_seq:
         raise InputError(f"--seq {cfg.seq} exceeds the {name} model's max_seq={gpt_cfg.max_seq}.")

@@ -33,6 +33,7 @@ LAYERS = {
         "run_dir",
         "estimate",
         "tokenizer",
+        "packed",
     },
     1: {
         "partition",
