@@ -15,12 +15,16 @@ OPTIMIZER_NAMES = ("adamw", "sgd")
 PRECISION_NAMES = ("fp32", "bf16", "bf16-master")
 NONFINITE_NAMES = ("skip", "halt")
 LR_SCHEDULES = ("cosine", "constant")
+PACKINGS = ("auto", "windows", "packed")
 SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules (shardkit.parallel.schedule)
 # Settings that change what a resumed run computes; a run directory refuses a change to any of
 # them unless --allow-change names it. The layout is not one: a run resumes onto any layout.
 RESUMABLE_SETTINGS = frozenset(
     {
         "model",
+        "init_from",
+        "tokenizer",
+        "packing",
         "steps",
         "batch",
         "seq",
@@ -80,6 +84,12 @@ class TrainConfig:
         None,
         "a text file (or directory of *.txt) instead of the built-in corpus; or a corpus packed into rows by Grain: "
         ".jsonl (a 'text' field per line), .npy or nanoGPT's .bin of token ids",
+    )
+    packing: str = setting(
+        "auto",
+        "how rows are cut from the text: windows (random windows per step), packed (non-overlapping rows shuffled "
+        "per epoch by Grain); auto: packed for .jsonl/.npy/.bin, windows for text",
+        choices=PACKINGS,
     )
     json_log: str | None = setting(None, "write one JSON object per step to this file")
     precision: str = setting("fp32", "mixed-precision policy", choices=PRECISION_NAMES)

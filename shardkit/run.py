@@ -61,14 +61,20 @@ assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "config.OPTIMIZER_NAMES lists the o
 def run_fingerprint(cfg: TrainConfig, dataset: TextDataset) -> dict[str, dict[str, Any]]:
     """The settings a resumed run must keep, as the checkpoint records them: what decides the
     batches the remaining steps read (``data``), and the optimizer's schedule (``schedule``)."""
+    data: dict[str, Any] = {
+        "seed": cfg.seed,
+        "data": cfg.data or "builtin",
+        "data_tokens": len(dataset.tokens),
+        "batch": cfg.batch,
+        "seq": cfg.seq,
+    }
+    # Recorded only when set, so checkpoints of runs without them still resume.
+    if dataset.tokenizer is not None:
+        data["tokenizer"] = _tokenizer_path(cfg)
+    if cfg.packing != "auto":
+        data["packing"] = cfg.packing
     return {
-        "data": {
-            "seed": cfg.seed,
-            "data": cfg.data or "builtin",
-            "data_tokens": len(dataset.tokens),
-            "batch": cfg.batch,
-            "seq": cfg.seq,
-        },
+        "data": data,
         "schedule": {
             "optimizer": cfg.optimizer,
             "lr": cfg.lr,
@@ -147,9 +153,12 @@ def _dataset_of(cfg: TrainConfig) -> TextDataset:
     path = _tokenizer_path(cfg)
     tok = tokenizer.load(path) if path else None
     if cfg.data and is_packed_source(cfg.data):
+        if cfg.packing == "windows":
+            raise InputError(f"--packing windows reads text files; {cfg.data} is read packed (--packing packed).")
         return PackedDataset.from_file(cfg.data, tok, cfg.seed)
     text = load_text(cfg.data) if cfg.data else builtin_corpus()
-    return TextDataset.from_bytes(text, cfg.seed) if tok is None else TextDataset.from_text(text, tok, cfg.seed)
+    ds = TextDataset.from_bytes(text, cfg.seed) if tok is None else TextDataset.from_text(text, tok, cfg.seed)
+    return PackedDataset(ds.tokens, ds.seed, ds.vocab, ds.tokenizer) if cfg.packing == "packed" else ds
 
 
 def _hf_name(cfg: TrainConfig) -> str:
