@@ -47,6 +47,24 @@ QUICKSTART = [
         "## How each parameter is sharded\n`[fsdp, tensor]` means dimension 0 is split over the "
         "`fsdp` mesh axis and dimension 1 over `tensor` (scaling-book notation `W[D_fsdp, V_tensor]`).",
     ),
+    (
+        "markdown",
+        "## The device mesh\nEight devices as a `data x fsdp x tensor` grid: devices in a row of one panel share "
+        "`tensor` work (Megatron's all-reduces), a column shares `fsdp` shards, the two panels are data replicas.",
+    ),
+    (
+        "code",
+        "grid = trainer.mesh.devices.reshape(2, 2, 2)  # (data, fsdp, tensor); the other axes have size 1\n"
+        "fig, axes = plt.subplots(1, 2, figsize=(6, 2.4))\n"
+        "for d, ax in enumerate(axes):\n"
+        "    ax.imshow([[d * 4 + f * 2 + t for t in range(2)] for f in range(2)], cmap='Pastel1', vmin=0, vmax=8)\n"
+        "    for f in range(2):\n"
+        "        for t in range(2):\n"
+        "            ax.text(t, f, f'device {grid[d, f, t].id}', ha='center', va='center')\n"
+        "    ax.set_title(f'data = {d}'); ax.set_xlabel('tensor'); ax.set_ylabel('fsdp')\n"
+        "    ax.set_xticks([0, 1]); ax.set_yticks([0, 1])\n"
+        "plt.tight_layout(); plt.show()",
+    ),
     ("code", "print(trainer.format_sharding_table())"),
     (
         "markdown",
