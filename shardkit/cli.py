@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from shardkit import __version__
 from shardkit.config import DryRunSettings, PlanOptions, TrainConfig
-from shardkit.errors import InputError, ShardkitError
+from shardkit.errors import InputError, LayoutError, ShardkitError
 from shardkit.flags import add_flags, config_from, file_values
 
 DEFAULT_SIMULATED_DEVICES = 8
@@ -350,9 +350,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan_cli(args)
         elif args.command in ("dryrun", "inspect"):
             from shardkit.dryrun import DryRunConfig
+            from shardkit.extrapolate import MAX_COMPILED_DEVICES
 
             cfg = config_from(DryRunConfig, args)
-            _simulate_exactly(cfg.num_devices())
+            if cfg.num_devices() > MAX_COMPILED_DEVICES and args.command == "inspect":
+                raise LayoutError(
+                    f"inspect compiles the whole program, at most {MAX_COMPILED_DEVICES} devices on CPU; "
+                    f"{cfg.layout} has {cfg.num_devices():,}. Fix: shardkit dryrun, which extrapolates past the limit."
+                )
+            if cfg.num_devices() <= MAX_COMPILED_DEVICES:  # beyond it the dry run compiles in subprocesses
+                _simulate_exactly(cfg.num_devices())
             if args.command == "dryrun":
                 from shardkit.dryrun import run_cli
                 from shardkit.hardware import get_hardware

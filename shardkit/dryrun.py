@@ -8,6 +8,7 @@ run happens in a fresh subprocess (the device count is fixed when JAX starts).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -25,6 +26,7 @@ from jax._src import xla_bridge
 
 from shardkit.config import DryRunSettings
 from shardkit.errors import ClusterError, InputError, LayoutError, ModelError, short_repr
+from shardkit.extrapolate import MAX_COMPILED_DEVICES, extrapolate, shrink_plan
 from shardkit.flags import to_argv
 from shardkit.mesh import Layout
 from shardkit.model import Model
@@ -173,6 +175,8 @@ def dryrun(
         name = getattr(factory, "__name__", "model") if factory is not None else model
         cfg = DryRunConfig(**kwargs) if name is None else DryRunConfig(model=str(name), **kwargs)
     n = cfg.num_devices()
+    if n > MAX_COMPILED_DEVICES:
+        return _extrapolated(cfg, factory)
     if can_run_here(n):
         if not xla_bridge.backends_are_initialized():
             jax.config.update("jax_platforms", "cpu")
@@ -181,6 +185,23 @@ def dryrun(
     if factory is not None:  # another process must import it by name
         cfg = dataclasses.replace(cfg, model=factory_ref(factory))
     return _in_subprocess(cfg)
+
+
+def _extrapolated(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> dict[str, Any]:
+    """A layout of more devices than the CPU compiler takes: two compiles with its fsdp or data
+    axis halved, in subprocesses side by side, and the fit of :mod:`shardkit.extrapolate`."""
+    layout = Layout.parse(cfg.layout)
+    if any(size == -1 for _, size in layout.sizes):
+        layout = layout.resolve(cfg.num_devices())
+    shrink = shrink_plan(layout)
+    if factory is not None:
+        cfg = dataclasses.replace(cfg, model=factory_ref(factory))
+    smaller = [dataclasses.replace(cfg, layout=shrink.layout(layout, size), devices=None) for size in shrink.sizes]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        small, large = pool.map(_in_subprocess, smaller)
+    result = extrapolate(small, large, shrink, layout)
+    result["model"], result["config"] = cfg.model, dataclasses.asdict(cfg)
+    return result
 
 
 def _in_subprocess(cfg: DryRunConfig) -> dict[str, Any]:
@@ -227,5 +248,7 @@ def run_cli(cfg: DryRunConfig, as_json: bool, hardware: str = "h100") -> None:
         print(json.dumps({**result, "fits": verdict}))
         return
     print(Report.from_dict(result).table())
+    if "extrapolated" in result:
+        print(result["extrapolated"]["text"])
     print(verdict["text"])
     print(f"(dry run took {time.perf_counter() - start:.1f} s)")

@@ -49,7 +49,7 @@ LAYERS = {
         "inputs",
         "checksums",
     },
-    2: {"report", "report_data"},
+    2: {"report", "report_data", "extrapolate"},
     3: {"steps", "train", "checkpoint", "checkpoint_checks", "pretrained"},
     4: {"dryrun", "plan", "run", "run_log", "cli", "__init__"},
 }
