@@ -322,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "stopped_by" in result:  # SIGTERM/SIGINT: saved and stopped, exit as if killed by it
                 return 128 + int(result["stopped_by"])
         elif args.command == "export":
-            from shardkit.run import export_checkpoint
+            from shardkit.saved_run import export_checkpoint
 
             export_checkpoint(config_from(TrainConfig, args), args.out, args.step)
         elif args.command == "eval":
@@ -330,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if distributed.initialize() is None:
                 _use_simulated_devices_if_no_accelerator(_devices_for(args.layout, args.devices))
-            from shardkit.run import eval_checkpoint
+            from shardkit.saved_run import eval_checkpoint
 
             result = eval_checkpoint(config_from(TrainConfig, args), args.step)
             if args.json:

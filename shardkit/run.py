@@ -10,7 +10,6 @@ import dataclasses
 import math
 import os
 import pathlib
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -20,17 +19,15 @@ import jax
 import numpy as np
 import optax
 
-from shardkit import run_dir, tokenizer
+from shardkit import run_dir
 from shardkit.checkpoint import Checkpointer
 from shardkit.config import OPTIMIZER_NAMES, TrainConfig
-from shardkit.data import TextDataset, builtin_corpus, load_text
+from shardkit.data import TextDataset
 from shardkit.distributed import is_primary
-from shardkit.errors import CheckpointError, InputError, ModelError
+from shardkit.errors import InputError, ModelError
 from shardkit.generate import generate
-from shardkit.models import hf
-from shardkit.models.gpt import GPTConfig
-from shardkit.packed import PackedDataset, is_packed_source
 from shardkit.progress import Progress
+from shardkit.run_inputs import dataset_of, fresh_state, model_of, tokenizer_path
 from shardkit.run_log import HELD_OUT, Profiler, evaluate_held_out, log_step, mfu_text, open_json_log
 from shardkit.stopping import StopRequests
 from shardkit.tensorboard import Scalars
@@ -70,7 +67,7 @@ def run_fingerprint(cfg: TrainConfig, dataset: TextDataset) -> dict[str, dict[st
     }
     # Recorded only when set, so checkpoints of runs without them still resume.
     if dataset.tokenizer is not None:
-        data["tokenizer"] = _tokenizer_path(cfg)
+        data["tokenizer"] = tokenizer_path(cfg)
     if cfg.packing != "auto":
         data["packing"] = cfg.packing
     return {
@@ -128,132 +125,11 @@ class _Loop:
     evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, held-out loss)
 
 
-def _model_of(cfg: TrainConfig, vocab: int | None = None) -> tuple[GPTConfig, str]:
-    """The GPT of the run and its name: a preset's (its vocabulary the tokenizer's when ``vocab``
-    is given), or a Hugging Face checkpoint's (``--init-from``)."""
-    if cfg.init_from:
-        return hf.gpt_config(hf.read_config(cfg.init_from), dropout=cfg.dropout, remat=cfg.remat), _hf_name(cfg)
-    if cfg.model not in GPTConfig.preset_names():
-        raise ModelError(f"--model {cfg.model!r} is not a preset; choose one of {', '.join(GPTConfig.preset_names())}.")
-    sizes = {"vocab": vocab} if vocab is not None else {}
-    return GPTConfig.preset(cfg.model, dropout=cfg.dropout, remat=cfg.remat, **sizes), f"GPT-{cfg.model}"
-
-
-def _tokenizer_path(cfg: TrainConfig) -> str | None:
-    """``--tokenizer``, else the ``--init-from`` checkpoint's own tokenizer.json, else None (bytes)."""
-    if cfg.tokenizer:
-        return cfg.tokenizer
-    shipped = pathlib.Path(cfg.init_from or "") / tokenizer.FILE
-    return str(shipped) if cfg.init_from and shipped.is_file() else None
-
-
-def _dataset_of(cfg: TrainConfig) -> TextDataset:
-    """The run's text: random windows of a text file or the built-in corpus, or a ``.jsonl``,
-    ``.npy`` or ``.bin`` corpus packed into rows by Grain (:mod:`shardkit.packed`)."""
-    path = _tokenizer_path(cfg)
-    tok = tokenizer.load(path) if path else None
-    if cfg.data and is_packed_source(cfg.data):
-        if cfg.packing == "windows":
-            raise InputError(f"--packing windows reads text files; {cfg.data} is read packed (--packing packed).")
-        return PackedDataset.from_file(cfg.data, tok, cfg.seed)
-    text = load_text(cfg.data) if cfg.data else builtin_corpus()
-    ds = TextDataset.from_bytes(text, cfg.seed) if tok is None else TextDataset.from_text(text, tok, cfg.seed)
-    return PackedDataset(ds.tokens, ds.seed, ds.vocab, ds.tokenizer) if cfg.packing == "packed" else ds
-
-
-def _hf_name(cfg: TrainConfig) -> str:
-    path = pathlib.Path(cfg.init_from or "")
-    return f"{hf.read_config(path).get('model_type', 'hf')}:{path.name}"
-
-
-def _fresh_state(cfg: TrainConfig, trainer: Trainer) -> Any:
-    """The first state of a new run: initialised, or the ``--init-from`` checkpoint's weights."""
-    if not cfg.init_from:
-        return trainer.init(cfg.seed)
-    gpt_cfg, _ = _model_of(cfg)
-    return trainer.init(cfg.seed, params=hf.load_params(cfg.init_from, gpt_cfg, trainer.state_shardings.params))
-
-
-def _saved_model(cfg: TrainConfig) -> tuple[GPTConfig, str]:
-    """The model of a saved run, as its flags named it (a tokenizer sets a preset's vocabulary)."""
-    path = _tokenizer_path(cfg)
-    return _model_of(cfg, tokenizer.load(path).get_vocab_size() if path else None)
-
-
-def restore_params(cfg: TrainConfig, step: int | None = None, layout: str = "data=-1") -> tuple[Trainer, Any, dict]:
-    """The parameters of a saved ``shardkit train`` run, laid out by ``layout``.
-
-    ``cfg`` names the run's model as its flags did (``model`` or ``init_from``, and ``tokenizer``,
-    which sets a preset's vocabulary) and its ``checkpoint_dir``; the optimizer state is not read.
-
-    Returns:
-      ``(trainer, state, record)``: a trainer of the model (the checkpoint's precision), the
-      state with its parameters, and the checkpoint's record.
-    """
-    gpt_cfg, name = _saved_model(cfg)
-    ckpt = Checkpointer(cfg.checkpoint_dir or "")
-    newest = ckpt.latest_step()
-    precision = ckpt.record(step if step is not None else newest)["precision"] if newest is not None else "fp32"
-    trainer = Trainer(gpt_cfg.model(name=name), optax.sgd(0.0), layout, precision=precision)
-    state, record = ckpt.restore(trainer, step, reset_optimizer=True)
-    return trainer, state, record
-
-
-def export_checkpoint(cfg: TrainConfig, out: str, step: int | None = None) -> pathlib.Path:
-    """Write the parameters of a ``shardkit train`` checkpoint as a Hugging Face checkpoint.
-
-    Args:
-      cfg: the run's model flags (``model`` or ``init_from``, whose config.json's other keys are
-        kept; ``tokenizer``, copied into ``out``) and its ``checkpoint_dir``.
-      out: the new directory.
-      step: the step to export; None: the newest that verifies.
-
-    Returns:
-      ``out``.
-    """
-    if pathlib.Path(out).exists():
-        raise CheckpointError(f"{out} exists; export writes a new directory (remove it or choose another).")
-    _, state, record = restore_params(cfg, step)
-    gpt_cfg, name = _saved_model(cfg)
-    base = hf.read_config(cfg.init_from) if cfg.init_from else None
-    written = hf.save_pretrained(state.params, gpt_cfg, out, base_config=base)
-    path = _tokenizer_path(cfg)
-    if path and is_primary():
-        shutil.copyfile(path, written / tokenizer.FILE)  # a checkpoint ships the tokenizer it was trained with
-    if is_primary():
-        print(f"wrote {written} (step {record['step']} of {cfg.checkpoint_dir}, model {name})")
-    return written
-
-
-def eval_checkpoint(cfg: TrainConfig, step: int | None = None, out: TextIO | None = None) -> dict[str, Any]:
-    """Held-out loss and perplexity of a saved run: ``cfg.eval_batches`` batches of ``cfg.batch``
-    x ``cfg.seq`` from the last 5% of the text (the part ``--eval-every`` holds out), under
-    ``cfg.layout``. Prints one line; returns ``{"step", "eval_loss", "eval_perplexity", ...}``."""
-    out = sys.stdout if out is None else out
-    trainer, state, record = restore_params(cfg, step, cfg.layout)
-    _, held_out = _dataset_of(cfg).split(HELD_OUT)
-    loss = evaluate_held_out(cfg, trainer, held_out, state.params)
-    result = {
-        "step": record["step"],
-        "eval_loss": loss,
-        "eval_perplexity": math.exp(loss),
-        "batches": cfg.eval_batches,
-        "tokens_per_batch": cfg.batch * cfg.seq,
-    }
-    if is_primary():
-        print(
-            f"{cfg.checkpoint_dir} step {record['step']}: held-out loss {loss:.4f}, perplexity {math.exp(loss):.2f} "
-            f"({cfg.eval_batches} batches of {cfg.batch} x {cfg.seq}, layout {trainer.layout.spec()})",
-            file=out,
-        )
-    return result
-
-
 def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
     """The dataset and the trainer of the main job, checked and described before any compile."""
-    dataset = _dataset_of(cfg)
+    dataset = dataset_of(cfg)
     own_vocab = dataset.tokenizer is not None or dataset.vocab != TextDataset.VOCAB  # tokenizer or token ids
-    gpt_cfg, name = _model_of(cfg, dataset.vocab if own_vocab else None)
+    gpt_cfg, name = model_of(cfg, dataset.vocab if own_vocab else None)
     if gpt_cfg.vocab < dataset.vocab:
         what = "the tokenizer's" if dataset.tokenizer is not None else "the data's"
         raise ModelError(f"The model {name} has vocab {gpt_cfg.vocab} < {what} {dataset.vocab}.")
@@ -276,7 +152,7 @@ def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
         f"shardkit: {trainer.mesh.devices.size} {jax.devices()[0].platform} device(s), layout "
         f"{trainer.layout.spec()}, model {name} ({gpt_cfg.num_params() / 1e6:.2f}M parameters), precision "
         f"{cfg.precision}, batch {cfg.batch} x seq {cfg.seq}, {len(dataset.tokens):,} tokens of text"
-        + (f" (tokenizer {_tokenizer_path(cfg)}, vocab {dataset.vocab})" if dataset.tokenizer is not None else ""),
+        + (f" (tokenizer {tokenizer_path(cfg)}, vocab {dataset.vocab})" if dataset.tokenizer is not None else ""),
         file=out,
     )
     print(trainer.format_sharding_table(), file=out)
@@ -297,10 +173,10 @@ def _start_or_resume(
         else None
     )
     if ckpt is None:
-        return None, _fresh_state(cfg, trainer), 0
+        return None, fresh_state(cfg, trainer), 0
     ckpt.prepare(trainer)  # writable, room for a checkpoint, locked: before any step is computed
     if ckpt.latest_step() is None:
-        return ckpt, _fresh_state(cfg, trainer), 0
+        return ckpt, fresh_state(cfg, trainer), 0
     state, record = ckpt.restore(
         trainer,
         run=run,

@@ -82,16 +82,16 @@ def test_nanogpt_bin_files_are_uint16_memory_maps(tmp_path):
 
 def test_plain_text_goes_through_grain_when_asked(tmp_path):
     """--packing packed: the built-in corpus's bytes, cut into shuffled non-overlapping rows."""
-    from shardkit.run import _dataset_of
+    from shardkit.run_inputs import dataset_of
 
-    ds = _dataset_of(TrainConfig(packing="packed"))
+    ds = dataset_of(TrainConfig(packing="packed"))
     assert isinstance(ds, PackedDataset) and ds.vocab == 256
     row = ds.batch(0, 4, 63)["tokens"]
     assert all(bytes(r.astype(np.uint8)) in builtin_corpus() for r in row)
-    assert type(_dataset_of(TrainConfig())).__name__ == "TextDataset"  # the default: random windows
+    assert type(dataset_of(TrainConfig())).__name__ == "TextDataset"  # the default: random windows
     (tmp_path / "c.jsonl").write_text('{"text": "abc"}\n')
     with pytest.raises(InputError, match="--packing packed"):
-        _dataset_of(TrainConfig(data=str(tmp_path / "c.jsonl"), packing="windows"))
+        dataset_of(TrainConfig(data=str(tmp_path / "c.jsonl"), packing="windows"))
 
 
 def test_bad_corpora_are_refused_with_their_line(tmp_path):
