@@ -22,7 +22,11 @@ import time
 
 from _results import write_json
 
-CHECKS = [("llama2-7b", "fsdp=256,tensor=8", 256), ("llama2-7b", "data=64,fsdp=4,tensor=8", 256)]
+CHECKS = [
+    ("llama2-7b", "fsdp=256,tensor=8", 256),
+    ("llama2-13b", "fsdp=256,tensor=8", 256),
+    ("llama2-7b", "data=64,fsdp=4,tensor=8", 256),
+]
 FAR = [("llama2-70b", "fsdp=512,tensor=8", 4096), ("llama2-70b", "fsdp=1024,tensor=8", 4096)]
 FAR.append(("llama2-70b", "fsdp=2048,tensor=8", 4096))
 
@@ -58,9 +62,16 @@ def main() -> None:
     checks, far = (CHECKS[:1], FAR[-1:]) if args.quick else (CHECKS, FAR)
     rows = []
     print(f"{'model':11s} {'layout':24s} {'devices':>7s} {'memory ext/full':>15s} {'bytes':>7s} {'FLOPs':>7s}")
+    from shardkit.errors import LayoutError
+
     for model, layout, batch in checks:
         full, _ = cli_dryrun(model, layout, batch)
-        got = extrapolated_below(model, layout, batch)
+        try:
+            got = extrapolated_below(model, layout, batch)
+        except LayoutError as refused:  # the two smaller programs differ: the fit is refused, not guessed
+            rows.append({"model": model, "layout": layout, "devices": full["devices"], "refused": str(refused)})
+            print(f"{model:11s} {layout:24s} {full['devices']:7d} refused: {str(refused).split(':')[1][:60]}")
+            continue
         row = {
             "model": model,
             "layout": layout,
