@@ -20,24 +20,23 @@ Query head ``h`` uses kv head ``h // G`` in both (Hugging Face's ``repeat_kv``).
 stores q and k in the rotate-half layout (the two halves of each head rotate together), which is
 what :func:`shardkit.models.gpt.rotary` computes, so no row permutation is needed.
 
-Each GPT parameter is a *view* of checkpoint tensors: a reshape of each tensor dimension into
-factors, a transpose, concatenations and a stack over layers. A view reads any slice of the GPT
-array by reading the matching block of the tensors (safetensors' lazy slices), so
+Each GPT parameter is a *view* of checkpoint tensors (:mod:`shardkit.models.hf_views`): a
+reshape of each tensor dimension into factors, a transpose, concatenations and a stack over
+layers. A view reads any slice of the GPT array by reading the matching block of the tensors
+(safetensors' lazy slices), so
 :func:`load_params` builds every array with ``jax.make_array_from_callback`` and a process reads
 only what its own devices hold. :func:`save_pretrained` runs the views backwards.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import ml_dtypes
@@ -45,6 +44,7 @@ import numpy as np
 
 from shardkit.errors import CheckpointError, ModelError
 from shardkit.models.gpt import GPTConfig
+from shardkit.models.hf_views import path_key, views
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -176,183 +176,6 @@ class Tensors:
         return np.asarray(self._files[name].get_slice(name)[block])
 
 
-# -- views: a GPT parameter as a function of checkpoint tensors ---------------------------------
-
-
-def _bounds(index: tuple[slice, ...], shape: Sequence[int]) -> list[tuple[int, int]]:
-    return [sl.indices(n)[:2] for sl, n in zip(index, shape, strict=True)]
-
-
-class View(Protocol):
-    shape: tuple[int, ...]
-
-    def read(self, tensors: Tensors, index: tuple[slice, ...]) -> np.ndarray: ...
-
-    def write(self, array: np.ndarray) -> dict[str, np.ndarray]: ...
-
-    def sources(self) -> dict[str, tuple[int, ...]]: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-    """Tensor ``name`` with each of its dimensions split into ``factors``, the factors then
-    transposed by ``perm`` (GPT dimension ``i`` is factor ``perm[i]``)."""
-
-    name: str
-    factors: tuple[tuple[int, ...], ...]
-    perm: tuple[int, ...]
-
-    @property
-    def flat(self) -> tuple[int, ...]:
-        return tuple(f for group in self.factors for f in group)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.flat[p] for p in self.perm)
-
-    def sources(self) -> dict[str, tuple[int, ...]]:
-        return {self.name: tuple(math.prod(group) for group in self.factors)}
-
-    def read(self, tensors: Tensors, index: tuple[slice, ...]) -> np.ndarray:
-        wanted = [(0, 0)] * len(self.flat)
-        for gpt_dim, bound in enumerate(_bounds(index, self.shape)):
-            wanted[self.perm[gpt_dim]] = bound
-        block: list[slice] = []
-        split: list[int] = []
-        inner: list[slice] = []
-        start = 0
-        for group in self.factors:  # read whole rows of the leading factor's range, then slice
-            (lo, hi), rest = wanted[start], math.prod(group[1:])
-            block.append(slice(lo * rest, hi * rest))
-            split.extend((hi - lo, *group[1:]))
-            inner.append(slice(None))
-            inner.extend(slice(a, b) for a, b in wanted[start + 1 : start + len(group)])
-            start += len(group)
-        data = tensors.read(self.name, tuple(block))
-        return data.reshape(split)[tuple(inner)].transpose(self.perm)
-
-    def write(self, array: np.ndarray) -> dict[str, np.ndarray]:
-        back = np.argsort(self.perm)
-        return {self.name: array.transpose(back).reshape(self.sources()[self.name])}
-
-
-@dataclasses.dataclass(frozen=True)
-class Concat:
-    """Views joined along ``axis`` (query, key and value in one fused weight)."""
-
-    parts: tuple[Any, ...]
-    axis: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        first = self.parts[0].shape
-        return (*first[: self.axis], sum(p.shape[self.axis] for p in self.parts), *first[self.axis + 1 :])
-
-    def sources(self) -> dict[str, tuple[int, ...]]:
-        return {k: v for p in self.parts for k, v in p.sources().items()}
-
-    def read(self, tensors: Tensors, index: tuple[slice, ...]) -> np.ndarray:
-        lo, hi = _bounds(index, self.shape)[self.axis]
-        pieces, offset = [], 0
-        for part in self.parts:
-            size = part.shape[self.axis]
-            a, b = max(lo, offset), min(hi, offset + size)
-            if a < b:
-                sub = (*index[: self.axis], slice(a - offset, b - offset), *index[self.axis + 1 :])
-                pieces.append(part.read(tensors, sub))
-            offset += size
-        return np.concatenate(pieces, axis=self.axis)
-
-    def write(self, array: np.ndarray) -> dict[str, np.ndarray]:
-        cuts = np.cumsum([p.shape[self.axis] for p in self.parts])[:-1]
-        out: dict[str, np.ndarray] = {}
-        for part, piece in zip(self.parts, np.split(array, cuts, axis=self.axis), strict=True):
-            out.update(part.write(piece))
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Stack:
-    """One view per layer, stacked on a new leading axis (a scanned GPT's layers)."""
-
-    parts: tuple[Any, ...]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (len(self.parts), *self.parts[0].shape)
-
-    def sources(self) -> dict[str, tuple[int, ...]]:
-        return {k: v for p in self.parts for k, v in p.sources().items()}
-
-    def read(self, tensors: Tensors, index: tuple[slice, ...]) -> np.ndarray:
-        lo, hi = _bounds(index, self.shape)[0]
-        return np.stack([self.parts[i].read(tensors, index[1:]) for i in range(lo, hi)])
-
-    def write(self, array: np.ndarray) -> dict[str, np.ndarray]:
-        out: dict[str, np.ndarray] = {}
-        for part, layer in zip(self.parts, array, strict=True):
-            out.update(part.write(layer))
-        return out
-
-
-def _layer_views(cfg: GPTConfig, i: int) -> dict[tuple[str, ...], Any]:
-    d, f, n, k = cfg.dim, cfg.mlp_dim, cfg.n_kv_heads, cfg.head_dim
-    g, h = cfg.n_heads // n, cfg.n_heads
-    pre = f"model.layers.{i}."
-    attn, mlp = pre + "self_attn.", pre + "mlp."
-    views: dict[tuple[str, ...], Any] = {
-        # (heads out, D in) -> (D, N, G|1, K): factors [N, G, K], [D]; GPT order D, N, G, K.
-        ("attn", "wqkv"): Concat(
-            (
-                Source(attn + "q_proj.weight", ((n, g, k), (d,)), (3, 0, 1, 2)),
-                Source(attn + "k_proj.weight", ((n, 1, k), (d,)), (3, 0, 1, 2)),
-                Source(attn + "v_proj.weight", ((n, 1, k), (d,)), (3, 0, 1, 2)),
-            ),
-            axis=2,
-        ),
-        ("attn", "wo"): Source(attn + "o_proj.weight", ((d,), (h, k)), (1, 2, 0)),
-        ("attn_norm", "scale"): Source(pre + "input_layernorm.weight", ((d,),), (0,)),
-        ("mlp_norm", "scale"): Source(pre + "post_attention_layernorm.weight", ((d,),), (0,)),
-        ("mlp", "w_gate_up"): Concat(
-            (
-                Source(mlp + "gate_proj.weight", ((1, f), (d,)), (2, 0, 1)),
-                Source(mlp + "up_proj.weight", ((1, f), (d,)), (2, 0, 1)),
-            ),
-            axis=1,
-        ),
-        ("mlp", "w_down"): Source(mlp + "down_proj.weight", ((d,), (f,)), (1, 0)),
-    }
-    if cfg.qkv_bias:
-        views[("attn", "bqkv")] = Concat(
-            tuple(Source(attn + f"{w}_proj.bias", ((n, m, k),), (0, 1, 2)) for w, m in (("q", g), ("k", 1), ("v", 1))),
-            axis=1,
-        )
-    return views
-
-
-def views(cfg: GPTConfig) -> dict[tuple[str | int, ...], Any]:
-    """Every GPT parameter's path (as in its parameter tree) -> its view of checkpoint tensors."""
-    if cfg.n_experts:
-        raise ModelError("A mixture-of-experts GPT has no Llama/Mistral/Qwen2 checkpoint layout.")
-    out: dict[tuple[str | int, ...], Any] = {
-        ("embed",): Source("model.embed_tokens.weight", ((cfg.vocab,), (cfg.dim,)), (0, 1)),
-        ("final_norm", "scale"): Source("model.norm.weight", ((cfg.dim,),), (0,)),
-    }
-    if not cfg.tie_embeddings:
-        out[("lm_head",)] = Source("lm_head.weight", ((cfg.vocab,), (cfg.dim,)), (1, 0))
-    per_layer = [_layer_views(cfg, i) for i in range(cfg.n_layers)]
-    for path in per_layer[0]:
-        if cfg.scan_layers:
-            out[("blocks", *path)] = Stack(tuple(layer[path] for layer in per_layer))
-        else:
-            out.update({("blocks", i, *path): layer[path] for i, layer in enumerate(per_layer)})
-    return out
-
-
-def _path_key(path: Sequence[Any]) -> tuple[str | int, ...]:
-    return tuple(getattr(p, "key", getattr(p, "idx", p)) for p in path)
-
-
 # -- in ----------------------------------------------------------------------------------------
 
 
@@ -402,7 +225,7 @@ def load_params(directory: str | os.PathLike[str], cfg: GPTConfig, shardings: An
     dtype = _numpy_dtype(cfg.param_dtype)
 
     def one(path: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-        view = by_path[_path_key(path)]
+        view = by_path[path_key(path)]
         return jax.make_array_from_callback(
             view.shape, sharding, lambda index: view.read(tensors, index).astype(dtype, copy=False)
         )
@@ -456,7 +279,7 @@ def save_pretrained(
     host = _host_arrays(params)
     if jax.process_index() != 0:
         return target
-    flat = {_path_key(p): a for p, a in jax.tree_util.tree_flatten_with_path(host)[0]}
+    flat = {path_key(p): a for p, a in jax.tree_util.tree_flatten_with_path(host)[0]}
     tensors: dict[str, np.ndarray] = {}
     for path, view in views(cfg).items():
         tensors.update(view.write(flat[path]))
