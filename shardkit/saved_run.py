@@ -17,22 +17,26 @@ from shardkit.config import TrainConfig
 from shardkit.distributed import is_primary
 from shardkit.errors import CheckpointError
 from shardkit.models import hf
+from shardkit.models.gpt import GPTConfig
 from shardkit.run_inputs import dataset_of, saved_model, tokenizer_path
 from shardkit.run_log import HELD_OUT, evaluate_held_out
 from shardkit.train import Trainer
 
 
-def restore_params(cfg: TrainConfig, step: int | None = None, layout: str = "data=-1") -> tuple[Trainer, Any, dict]:
+def restore_params(
+    cfg: TrainConfig, step: int | None = None, layout: str = "data=-1", model: tuple[GPTConfig, str] | None = None
+) -> tuple[Trainer, Any, dict]:
     """The parameters of a saved ``shardkit train`` run, laid out by ``layout``.
 
     ``cfg`` names the run's model as its flags did (``model`` or ``init_from``, and ``tokenizer``,
     which sets a preset's vocabulary) and its ``checkpoint_dir``; the optimizer state is not read.
+    ``model``: the run's ``(GPTConfig, name)`` when the caller already has it.
 
     Returns:
       ``(trainer, state, record)``: a trainer of the model (the checkpoint's precision), the
       state with its parameters, and the checkpoint's record.
     """
-    gpt_cfg, name = saved_model(cfg)
+    gpt_cfg, name = model if model is not None else saved_model(cfg)
     ckpt = Checkpointer(cfg.checkpoint_dir or "")
     newest = ckpt.latest_step()
     precision = ckpt.record(step if step is not None else newest)["precision"] if newest is not None else "fp32"
@@ -55,8 +59,8 @@ def export_checkpoint(cfg: TrainConfig, out: str, step: int | None = None) -> pa
     """
     if pathlib.Path(out).exists():
         raise CheckpointError(f"{out} exists; export writes a new directory (remove it or choose another).")
-    _, state, record = restore_params(cfg, step)
     gpt_cfg, name = saved_model(cfg)
+    _, state, record = restore_params(cfg, step, model=(gpt_cfg, name))
     base = hf.read_config(cfg.init_from) if cfg.init_from else None
     written = hf.save_pretrained(state.params, gpt_cfg, out, base_config=base)
     path = tokenizer_path(cfg)

@@ -157,16 +157,16 @@ class Tensors:
         self.directory = pathlib.Path(directory)
         index = self.directory / INDEX
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
         else:
-            files = sorted(self.directory.glob("*.safetensors"))
+            files = sorted(p.name for p in self.directory.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"{self.directory} holds no *.safetensors file (nor {INDEX}).")
-            weight_map = {}
-            for file in files:
-                with safe_open(file, "np") as f:
-                    weight_map.update(dict.fromkeys(f.keys(), file.name))
-        self._files = {name: safe_open(self.directory / file, "np") for name, file in weight_map.items()}
+        handles = {file: safe_open(self.directory / file, "np") for file in files}  # one memory map per file
+        if not index.exists():
+            weight_map = {name: file for file, handle in handles.items() for name in handle.keys()}  # noqa: SIM118 -- a safe_open handle is not iterable
+        self._files = {name: handles[file] for name, file in weight_map.items()}
         self.names = frozenset(self._files)
 
     def shape(self, name: str) -> tuple[int, ...]:
