@@ -37,7 +37,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
-from shardkit.partition import constrain_to, current_rules
+from shardkit.partition import constrain_to, current_rules, free_mesh_shape
 from shardkit.rules import resolve
 
 _PATHS: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar("shardkit_nnx_paths", default=None)
@@ -70,8 +70,8 @@ def boundary_spec(shape: Sequence[int], layer_boundary: bool) -> PartitionSpec |
             if len(shape) >= 3
             else ("batch",) + (None,) * (len(shape) - 1)
         )
-        return resolve(names, shape, rules, dict(mesh.shape), what="activation", allow_replicate=True)
-    batch = resolve(("batch",), shape[:1], rules, dict(mesh.shape), what="activation", allow_replicate=True)
+        return resolve(names, shape, rules, free_mesh_shape(mesh), what="activation", allow_replicate=True)
+    batch = resolve(("batch",), shape[:1], rules, free_mesh_shape(mesh), what="activation", allow_replicate=True)
     return PartitionSpec(batch[0], *([PartitionSpec.UNCONSTRAINED] * (len(shape) - 1)))
 
 

@@ -16,6 +16,8 @@ PRECISION_NAMES = ("fp32", "bf16", "bf16-master")
 NONFINITE_NAMES = ("skip", "halt")
 LR_SCHEDULES = ("cosine", "constant")
 PACKINGS = ("auto", "windows", "packed")
+# When accumulated gradients are reduced (shardkit.accumulation): auto, once, per_microbatch.
+REDUCE_GRADIENTS = ("auto", "once", "per_microbatch")
 SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules (shardkit.parallel.schedule)
 # Settings that change what a resumed run computes; a run directory refuses a change to any of
 # them unless --allow-change names it. The layout is not one: a run resumes onto any layout.
@@ -102,6 +104,12 @@ class TrainConfig:
         0,
         "ZeRO stage over the data axis, parameters whole on every device: 1 shards the optimizer state and "
         "master weights, 2 the gradients too (0: off; stage 3 is the layout's fsdp axis)",
+    )
+    reduce_gradients: str = setting(
+        "auto",
+        "with --microbatches >1, when the devices reduce the gradients: once per step, per_microbatch, or auto "
+        "(once where no batch axis splits the parameters)",
+        choices=REDUCE_GRADIENTS,
     )
     schedule: str | None = setting(None, "pipeline schedule with stage>1 (default 1f1b)", choices=SCHEDULES)
     virtual_stages: int = setting(1, "interleaved pipeline stages per device (chunks of layers)")
@@ -253,6 +261,7 @@ class DryRunSettings:
     virtual_stages: int = same_as(TrainConfig, "virtual_stages")
     remat: str = same_as(TrainConfig, "remat")
     zero: int = same_as(TrainConfig, "zero")
+    reduce_gradients: str = same_as(TrainConfig, "reduce_gradients")
     scan_layers: bool = setting(True, "unroll the layer stack instead of scanning it", flag="--unrolled", negate=True)
     n_layers: int | None = setting(None, "override the preset's number of layers", flag="--layers")
     devices: int | None = same_as(TrainConfig, "devices")

@@ -333,6 +333,9 @@ class _Context:
 
 
 _CURRENT: contextvars.ContextVar[_Context | None] = contextvars.ContextVar("shardkit_context", default=None)
+# Mesh axes an enclosing vmap over each device's rows has taken (``jax.vmap(spmd_axis_name=...)``
+# puts them on the vmapped dimension): constraints inside must not name them again.
+_TAKEN: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("shardkit_taken_axes", default=())
 
 
 @contextlib.contextmanager
@@ -353,6 +356,36 @@ def use_sharding(mesh: Mesh, rules: Rules) -> Iterator[None]:
         yield
     finally:
         _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def axes_taken(axes: Sequence[str]) -> Iterator[None]:
+    """Within this context :func:`constrain` leaves ``axes`` out of every spec: an enclosing
+    ``jax.vmap(..., spmd_axis_name=axes)`` over each device's rows already splits over them."""
+    token = _TAKEN.set(tuple(axes))
+    try:
+        yield
+    finally:
+        _TAKEN.reset(token)
+
+
+def free_mesh_shape(mesh: Mesh) -> dict[str, int]:
+    """The mesh's axis sizes, those an enclosing row vmap has taken (:func:`axes_taken`) counted
+    as 1: what an activation inside may still split over."""
+    taken = _TAKEN.get()
+    return {a: 1 if a in taken else size for a, size in mesh.shape.items()}
+
+
+def without_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
+    """``spec`` with the mesh ``axes`` removed from every entry (an entry left empty is None)."""
+
+    def keep(entry: Any) -> Any:
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            return entry
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return PartitionSpec(*(keep(e) for e in spec))
 
 
 def current_rules() -> tuple[Mesh, Rules] | None:
@@ -379,7 +412,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     ctx = _CURRENT.get()
     if ctx is None:
         return x
-    return constrain_to(x, resolve(names, x.shape, ctx.rules, dict(ctx.mesh.shape), what="activation"))
+    return constrain_to(x, resolve(names, x.shape, ctx.rules, free_mesh_shape(ctx.mesh), what="activation"))
 
 
 def constrain_to(x: jax.Array, spec: PartitionSpec) -> jax.Array:
@@ -387,6 +420,9 @@ def constrain_to(x: jax.Array, spec: PartitionSpec) -> jax.Array:
     ctx = _CURRENT.get()
     if ctx is None:
         return x
+    taken = _TAKEN.get()
+    if taken:
+        spec = without_axes(spec, taken)
     sharding = NamedSharding(ctx.mesh, spec)
     abstract = jax.sharding.get_abstract_mesh()
     if abstract.manual_axes:

@@ -20,6 +20,11 @@ _PLUMBING = {"while", "body", "closed_call", "checkpoint", "remat", "rematted_co
 _WRAPPER = re.compile(r"\b(?:jvp|transpose|jit|remat|checkpoint|vmap|pjit)\(([^()]*)\)")
 
 
+# Named scope of the gradients' reduction after an accumulation loop (shardkit.accumulation):
+# gradient traffic, though outside any transpose.
+GRADIENT_REDUCTION_SCOPE = "reduce_gradients"
+
+
 def source_op(op_name: str) -> tuple[str, str]:
     """``(op, direction)`` of an HLO op_name, e.g. ``("layer/attn/out_proj/dot_general", "forward")``.
 
@@ -30,7 +35,7 @@ def source_op(op_name: str) -> tuple[str, str]:
     # XLA joins the op_names of collectives it combined with ":" (and a parenthesised prefix).
     combined = op_name.split(":")
     first = combined[0]
-    direction = "backward" if "transpose(" in first else "forward"
+    direction = "backward" if "transpose(" in first or f"/{GRADIENT_REDUCTION_SCOPE}/" in first else "forward"
     body = re.sub(r"^jit\([^()]*\)/", "", first)
     while _WRAPPER.search(body):
         body = _WRAPPER.sub(r"\1", body)

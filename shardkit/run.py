@@ -147,6 +147,7 @@ def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
         schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages,
         zero=cfg.zero,
+        reduce_gradients=cfg.reduce_gradients,
     )
     print(
         f"shardkit: {trainer.mesh.devices.size} {jax.devices()[0].platform} device(s), layout "

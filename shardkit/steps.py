@@ -3,7 +3,7 @@
 A gradient strategy is a function ``(params, batch, key) -> (loss, count, grads)``:
 
 - :func:`plain_grads`: one pass over the whole batch;
-- :func:`accumulated_grads`: ``K`` microbatches in a ``lax.scan``, gradients summed in fp32;
+- ``shardkit.accumulation``: ``K`` microbatches in a ``lax.scan``, gradients summed in fp32;
 - :func:`pipelined_grads`: microbatches through pipeline stages (``shardkit.parallel.pipeline``).
 
 :func:`make_step` turns a strategy, an optimizer and a precision policy into
@@ -152,31 +152,6 @@ def split_microbatches(batch: Batch, k: int, plan: ShardingPlan) -> dict[str, ja
         return plan.constrain(micro, NamedSharding(plan.mesh, PartitionSpec(None, *batch_specs[name])))
 
     return {name: split(name, x) for name, x in batch.items()}
-
-
-def accumulated_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan) -> GradsFn:
-    """Mean loss and gradients over ``microbatches`` slices of the batch, one at a time
-    (microbatch ``i`` draws dropout bits from ``fold_in(key, i)``)."""
-    if microbatches == 1:
-        return grads_fn
-    shardings = plan.state_shardings.params
-
-    def grads(params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
-        micro = split_microbatches(batch, microbatches, plan)
-        zeros = plan.constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), shardings)
-
-        def body(carry: tuple[Any, Any, Any], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, Any, Any], None]:
-            grad_sum, loss_sum, count_sum = carry
-            mb, i = xs
-            value, count, g = grads_fn(params, mb, jax.random.fold_in(key, i))
-            grad_sum = plan.constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g), shardings)
-            return (grad_sum, loss_sum + value, count_sum + count), None
-
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-        (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
-        return loss_sum / microbatches, count, jax.tree.map(lambda g: g / microbatches, grad_sum)
-
-    return grads
 
 
 def pipelined_grads(

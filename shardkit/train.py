@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardkit.errors import InputError, LayoutError, ModelError, short_repr
 from shardkit.inputs import check_host_batch, vocab_size
 from shardkit.losses import LossFn, cross_entropy, like, mse_loss, next_token_loss
+from shardkit.accumulation import Accumulation, choose
 from shardkit.mesh import Layout, as_layout
 from shardkit.model import Model
 from shardkit.parallel.schedule import Schedule
@@ -33,13 +34,11 @@ from shardkit.sharding import ShardingPlan, plan_sharding
 from shardkit.state import TrainState
 from shardkit.steps import (
     NonFiniteError,
-    accumulated_grads,
     halted,
     make_eval,
     make_step,
     pipeline_schedule,
     pipelined_grads,
-    plain_grads,
 )
 
 __all__ = [
@@ -99,6 +98,12 @@ class Trainer:
       zero: ZeRO stage over the ``data`` axis, with the parameters whole on every device: 1 shards
         the optimizer state (and master weights) over it, 2 the gradients too (reduce-scattered,
         not all-reduced); 0 is off. ZeRO-3 is the layout's ``fsdp`` axis.
+      reduce_gradients: with ``microbatches > 1``, when the devices reduce the gradients:
+        ``"once"`` per step after the loop (each device sums its own rows' gradients first),
+        ``"per_microbatch"`` inside the loop, or ``"auto"`` (default): once where that costs no
+        memory (no batch axis splits the parameters) and the model allows it, per microbatch
+        otherwise. ``trainer.accumulation`` says which was used, and why (see
+        :mod:`shardkit.accumulation`).
 
     Example:
       >>> import optax, shardkit as sk
@@ -129,6 +134,7 @@ class Trainer:
         virtual_stages: int = 1,
         devices: Sequence[jax.Device] | None = None,
         zero: int = 0,
+        reduce_gradients: str = "auto",
     ) -> None:
         if not isinstance(optimizer, optax.GradientTransformation):
             raise ModelError(NOT_AN_OPTIMIZER.format(got=short_repr(optimizer)))
@@ -181,10 +187,11 @@ class Trainer:
         self.update_specs = self.plan.update_specs
         self.fallbacks = list(self.plan.fallbacks)
         self.vocab = vocab_size(self.abstract_params, model.axes)
+        self.accumulation: Accumulation | None = None
         if self.schedule is not None:
             grads = pipelined_grads(model, loss, self.precision, self.schedule, self.plan)
         else:
-            grads = accumulated_grads(plain_grads(model, loss, self.precision), microbatches, self.plan)
+            grads, self.accumulation = choose(model, loss, self.precision, microbatches, self.plan, reduce_gradients)
         grads_to = None
         if zero >= 2:
             grad_shardings = named(self.plan.grad_specs, self.mesh)

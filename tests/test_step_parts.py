@@ -14,7 +14,8 @@ import shardkit as sk
 from shardkit.precision import as_precision
 from shardkit.rules import default_rules
 from shardkit.sharding import ShardingPlan, plan_sharding
-from shardkit.steps import accumulated_grads, make_step, plain_grads
+from shardkit.accumulation import accumulated_grads
+from shardkit.steps import make_step, plain_grads
 
 CFG = sk.models.GPTConfig.preset("tiny")
 TOKENS = sk.TextDataset.builtin().batch(0, batch_size=16, seq_len=32)["tokens"]

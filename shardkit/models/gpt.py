@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardkit.dropout import dropout
 from shardkit.errors import ModelError, short_repr
 from shardkit.model import Model, from_nnx
 from shardkit.parallel.experts import MoE
@@ -185,14 +186,6 @@ def _param(rngs: nnx.Rngs, init: Any, shape: tuple[int, ...], names: tuple[str |
     return nnx.Param(logical(init, names)(rngs.params(), shape, jnp.dtype(dtype)))
 
 
-def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    # Bits come from the key alone (threefry is partitionable), so they do not depend on the mesh.
-    if key is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
-
-
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, param_dtype: str, rngs: nnx.Rngs):
         self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",), param_dtype)
@@ -305,11 +298,11 @@ class Block(nnx.Module):
         """``(B, T, D) -> ((B, T, D), load-balancing loss of this layer; 0 for a dense MLP)``."""
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         with jax.named_scope("attn"):
-            x = x + _dropout(self.attn(self.attn_norm(x)), self.dropout, k1)  # (B, T, D)
+            x = x + dropout(self.attn(self.attn_norm(x)), self.dropout, k1)  # (B, T, D)
         with jax.named_scope("mlp"):
             mixed = self.mlp(self.mlp_norm(x))
             out, aux = mixed if isinstance(mixed, tuple) else (mixed, jnp.zeros((), jnp.float32))
-            x = x + _dropout(out, self.dropout, k2)  # (B, T, D)
+            x = x + dropout(out, self.dropout, k2)  # (B, T, D)
         return constrain(x, ("batch", "seq", "embed")), aux
 
 
@@ -368,7 +361,7 @@ class GPT(nnx.Module):
         with jax.named_scope("embed"):
             table = constrain(self.embed[...], ("vocab", None))  # (V, D)
             x = jnp.take(table, tokens, axis=0).astype(dt)  # (B, T, D)
-        return constrain(_dropout(x, cfg.dropout, None if keys is None else keys[-1]), ("batch", "seq", "embed"))
+        return constrain(dropout(x, cfg.dropout, None if keys is None else keys[-1]), ("batch", "seq", "embed"))
 
     def run_layers(
         self, x: jax.Array, key: jax.Array | None = None, first_layer: int | jax.Array = 0
