@@ -126,9 +126,27 @@ def once_reduced_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan,
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
         (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
         with jax.named_scope(GRADIENT_REDUCTION_SCOPE):  # the report counts it as backward traffic
-            reduced = jax.tree.map(lambda g: g.sum(0) / (microbatches * n), grad_sum)
-            reduced = plan.constrain(reduced, plan.state_shardings.params)
+            reduced = jax.tree.map(
+                lambda g, spec: _reduce(g, spec) / (microbatches * n),
+                grad_sum,
+                plan.param_specs,
+                is_leaf=lambda x: isinstance(x, PartitionSpec),
+            )
         return loss_sum / microbatches, count, reduced
+
+    def _reduce(sums: jax.Array, spec: PartitionSpec) -> jax.Array:
+        """``(n, *param)`` -> ``param``: first over the row axes that split the parameter (a
+        reduce-scatter onto its shards), then over the rest (an all-reduce of the shard): the
+        bytes of data parallelism plus ZeRO-3, not an all-reduce of the whole over every axis."""
+        used = {a for entry in spec for a in entry_axes(entry)}
+        first = [i for i, a in enumerate(axes) if a in used]
+        rest = [i for i, a in enumerate(axes) if a not in used]
+        per_axis = sums.reshape(*(mesh.shape[a] for a in axes), *sums.shape[1:])
+        partial = per_axis.sum(tuple(first)) if first else per_axis
+        kept = tuple(axes[i] for i in rest)
+        inner = tuple(spec) + (None,) * (sums.ndim - 1 - len(spec))
+        partial = plan.constrain(partial, NamedSharding(mesh, PartitionSpec(*kept, *inner)))
+        return plan.constrain(partial.sum(tuple(range(len(rest)))), NamedSharding(mesh, spec))
 
     return grads
 
@@ -201,9 +219,9 @@ def _layout_reason(plan: ShardingPlan, axes: tuple[str, ...], reduce: str) -> st
     )
     if splitting and reduce == "auto":
         return (
-            f"the parameters are split over {'+'.join(splitting)}, where reducing once would hold whole fp32 "
-            "gradients on every device through the loop (reduce_gradients='once' trades that memory for "
-            "one reduce-scatter per step)"
+            f"the parameters are split over {'+'.join(splitting)}, so reducing once would keep whole fp32 "
+            "gradients on every device through the loop (reduce_gradients='once' trades that memory for one "
+            "reduce-scatter per step)"
         )
     return ""
 

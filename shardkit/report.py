@@ -42,6 +42,7 @@ class CompiledStep(Protocol):
     rules: Rules
     precision: Precision
     microbatches: int
+    accumulation: Any  # how microbatches' gradients are reduced (shardkit.accumulation.Accumulation), or None
     param_specs: Any
     update_specs: Any  # where the optimizer's copies live (param_specs, plus data under ZeRO)
     state_shardings: Any
@@ -100,7 +101,10 @@ def collective_stats(
             and axes
             and set(axes) <= param_axes
             and (c.name in sliced or c.name in stacked)
-            and any(shape in gradient_shapes(tuple(axes)) for shape in c.shapes)
+            and any(
+                shape in gradient_shapes(tuple(axes)) or _without_leading_ones(shape) in gradient_shapes(tuple(axes))
+                for shape in c.shapes
+            )
         ):
             kind, lowered = "reduce-scatter", "all-reduce+dynamic-slice"
         payload = c.payload_bytes * (n if c.kind == "reduce-scatter" else 1)
@@ -126,6 +130,13 @@ def collective_stats(
             )
         )
     return sorted(stats, key=lambda c: (c.kind, c.axes, c.op))
+
+
+def _without_leading_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``(1, 1, 64, 32) -> (64, 32)``: a gradient still carrying the (here size-1) dimensions of
+    the mesh axes it is yet to be reduced over (``shardkit.accumulation``)."""
+    first = next((i for i, d in enumerate(shape) if d != 1), len(shape))
+    return shape[first:]
 
 
 def _bytes_per_device(abstract: Any, shardings: Any) -> int:
@@ -235,7 +246,16 @@ def build_report(trainer: CompiledStep, batch: dict[str, Any], compile_seconds: 
         model_flops_per_step=model_flops,
         lower_bound=bound,
         compile_seconds=compile_seconds,
+        gradient_reduction=_gradient_reduction(trainer),
     )
+
+
+def _gradient_reduction(trainer: CompiledStep) -> str:
+    """``"once"``, ``"per_microbatch: <why>"``, or "" without microbatches (or a pipeline)."""
+    acc = trainer.accumulation
+    if trainer.microbatches == 1 or acc is None or acc.reduces is None:
+        return ""
+    return acc.reduces + (f": {acc.reason}" if acc.reason else "")
 
 
 def sharding_warnings(trainer: CompiledStep, top: int = 3, min_fraction: float = 0.01) -> list[str]:

@@ -111,6 +111,12 @@ class Memory:
         return {**dataclasses.asdict(self), "total": self.total}
 
 
+def _reduction_line(reduction: str) -> str:
+    if reduction == "once":
+        return "gradients reduced once per step, after the microbatches"
+    return "gradients reduced " + reduction.replace("per_microbatch", "per microbatch", 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Report:
     """What one compiled train step does, per device, and how far from the layout's bound."""
@@ -127,6 +133,8 @@ class Report:
     model_flops_per_step: float | None
     lower_bound: dict[str, float]
     compile_seconds: float | None = None
+    # With microbatches: "once" (one reduction per step), or "per_microbatch: <why>".
+    gradient_reduction: str = ""
 
     @property
     def moved_bytes(self) -> float:
@@ -166,6 +174,7 @@ class Report:
             "lower_bound": self.lower_bound,
             "ratios": self.ratios,
             "compile_seconds": self.compile_seconds,
+            "gradient_reduction": self.gradient_reduction,
         }
 
     @classmethod
@@ -188,6 +197,7 @@ class Report:
             model_flops_per_step=d["model_flops_per_step"],
             lower_bound=d["lower_bound"],
             compile_seconds=d.get("compile_seconds"),
+            gradient_reduction=d.get("gradient_reduction", ""),
         )
 
     def to_json(self, **kwargs: Any) -> str:
@@ -198,6 +208,7 @@ class Report:
         lines = [
             f"{self.layout} on {self.devices} {self.backend} device(s), precision {self.precision}, "
             f"microbatches {self.microbatches}, {self.parameters:,} parameters",
+            *([_reduction_line(self.gradient_reduction)] if self.gradient_reduction else []),
             "",
             f"{'collective':16s} {'axes':16s} {'dir':4s} {'count':>5s} {'MB moved':>10s}  op",
         ]

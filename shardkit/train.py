@@ -188,6 +188,11 @@ class Trainer:
         self.fallbacks = list(self.plan.fallbacks)
         self.vocab = vocab_size(self.abstract_params, model.axes)
         self.accumulation: Accumulation | None = None
+        if self.schedule is not None and reduce_gradients == "once":
+            raise LayoutError(
+                f"reduce_gradients='once' with layout {self.layout.spec()}: the pipeline reduces each "
+                "microbatch's gradients in its backward slots. Fix: use reduce_gradients='auto', or drop stage."
+            )
         if self.schedule is not None:
             grads = pipelined_grads(model, loss, self.precision, self.schedule, self.plan)
         else:
