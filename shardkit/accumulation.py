@@ -177,7 +177,10 @@ def choose(
     if reason or reduce == "per_microbatch":
         info.reduces, info.reason = "per_microbatch", reason or "asked for"
         return accumulated_grads(plain, microbatches, plan), info
-    per_microbatch, once = accumulated_grads(plain, microbatches, plan), once_reduced_grads(plain, microbatches, plan, axes)
+    per_microbatch, once = (
+        accumulated_grads(plain, microbatches, plan),
+        once_reduced_grads(plain, microbatches, plan, axes),
+    )
 
     def grads(params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
         found = _traced_reason(model, loss, precision, plan, params, batch, key, microbatches, axes)
@@ -238,7 +241,7 @@ def _traced_reason(
     axes: tuple[str, ...],
 ) -> str:
     """Why the model, as traced on one microbatch, must be reduced per microbatch ("" if not)."""
-    split = lambda spec: tuple(a for a in entry_axes(spec[0]) if plan.mesh.shape[a] > 1) if len(spec) else ()  # noqa: E731
+    split = lambda spec: tuple(a for a in entry_axes(spec[0]) if plan.mesh.shape[a] > 1) if len(spec) else ()
     if {split(spec) for spec in plan.batch_specs(batch).values()} != {axes}:
         return "the batch entries are not all split by rows over the batch axes"
     outputs: list[Any] = []
@@ -253,11 +256,15 @@ def _traced_reason(
 
         return loss(forward, mb)
 
-    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-    micro = {name: jax.ShapeDtypeStruct((x.shape[0] // microbatches, *x.shape[1:]), x.dtype) for name, x in batch.items()}
+    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    micro = {
+        name: jax.ShapeDtypeStruct((x.shape[0] // microbatches, *x.shape[1:]), x.dtype) for name, x in batch.items()
+    }
     jaxpr = jax.make_jaxpr(forward_loss)(jax.tree.map(shape, params), micro, shape(key))
     if outputs and isinstance(outputs[0], tuple):
-        return "the model returns an auxiliary loss (a mixture of experts' load balance), a statistic of the whole batch"
+        return (
+            "the model returns an auxiliary loss (a mixture of experts' load balance), a statistic of the whole batch"
+        )
     if any(eqn.primitive.name in _RANDOM for eqn in _equations(jaxpr.jaxpr)):
         return "the model draws random bits itself (nnx.Dropout, jax.random), which a vmap over rows would repeat"
     return ""

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardkit.accumulation import Accumulation, choose
 from shardkit.errors import InputError, LayoutError, ModelError, short_repr
 from shardkit.inputs import check_host_batch, vocab_size
 from shardkit.losses import LossFn, cross_entropy, like, mse_loss, next_token_loss
-from shardkit.accumulation import Accumulation, choose
 from shardkit.mesh import Layout, as_layout
 from shardkit.model import Model
 from shardkit.parallel.schedule import Schedule

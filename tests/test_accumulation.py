@@ -14,10 +14,10 @@ from flax import nnx
 from helpers import assert_adam_params_close, assert_trees_close, reference_training, run_trainer
 
 import shardkit as sk
-from shardkit.errors import InputError, LayoutError
-from shardkit.rules import entry_axes
 from shardkit.dropout import dropout
+from shardkit.errors import InputError, LayoutError
 from shardkit.models import GPT, GPTConfig
+from shardkit.rules import entry_axes
 
 K = 4
 B, T = 32, 32
@@ -186,7 +186,7 @@ class DropoutLM(nnx.Module):
 def test_a_model_that_draws_its_own_bits_is_reduced_per_microbatch_or_refused():
     batch = {"tokens": np.random.default_rng(0).integers(0, 64, (B, T + 1)).astype(np.int32)}
     auto = sk.Trainer(sk.from_nnx(DropoutLM), optax.sgd(0.1), "data=8", microbatches=K)
-    state, metrics = auto.step(auto.init(0), auto.shard_batch(batch))
+    _, metrics = auto.step(auto.init(0), auto.shard_batch(batch))
     assert auto.accumulation.reduces == "per_microbatch"
     assert "draws random bits itself" in auto.accumulation.reason
     assert np.isfinite(float(metrics["loss"]))

@@ -34,6 +34,7 @@ LAYERS = {
         "estimate",
         "tokenizer",
         "packed",
+        "dropout",
     },
     1: {
         "partition",
@@ -50,7 +51,7 @@ LAYERS = {
         "checksums",
     },
     2: {"report", "report_data", "extrapolate"},
-    3: {"steps", "train", "checkpoint", "checkpoint_checks", "pretrained"},
+    3: {"steps", "accumulation", "train", "checkpoint", "checkpoint_checks", "pretrained"},
     4: {"dryrun", "plan", "run", "run_inputs", "saved_run", "run_log", "cli", "__init__"},
 }
 LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}

@@ -92,6 +92,31 @@ def test_zero_benchmark_small(tmp_path):
 
 
 @pytest.mark.slow
+def test_accumulation_benchmark_small(tmp_path):
+    out = run(
+        sys.executable,
+        "benchmarks/accumulation.py",
+        "--model",
+        "tiny",
+        "--seq",
+        "32",
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+        "--json",
+        str(tmp_path / "a.json"),
+    )
+    result = json.loads((tmp_path / "a.json").read_text())
+    rows = {(r["layout"], r["reduce"]): r for r in result["rows"]}
+    for layout in ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2"):
+        once, each = rows[layout, "once"], rows[layout, "per_microbatch"]
+        assert abs(once["gradient_MB"] - once["bound_MB"]) <= 0.01 * once["bound_MB"]
+        assert each["gradient_MB"] >= 0.95 * result["microbatches"] * once["gradient_MB"]
+    assert result["speed"]["ratio_once"] > 0 and "ratio" in out
+
+
+@pytest.mark.slow
 def test_pipeline_benchmark_small(tmp_path):
     out = run(sys.executable, "benchmarks/pipeline.py", "--quick", "--json", str(tmp_path / "p.json"))
     result = json.loads((tmp_path / "p.json").read_text())

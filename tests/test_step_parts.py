@@ -11,10 +11,10 @@ import pytest
 from helpers import assert_trees_close
 
 import shardkit as sk
+from shardkit.accumulation import accumulated_grads
 from shardkit.precision import as_precision
 from shardkit.rules import default_rules
 from shardkit.sharding import ShardingPlan, plan_sharding
-from shardkit.accumulation import accumulated_grads
 from shardkit.steps import make_step, plain_grads
 
 CFG = sk.models.GPTConfig.preset("tiny")
