@@ -266,12 +266,15 @@ def collectives(hlo: str | Program) -> list[Collective]:
     return out
 
 
-def sliced_results(hlo: str | Program) -> tuple[set[str], set[str]]:
-    """Instructions some result (tuple element) of which feeds a per-device slice, and those
-    whose results are written into a per-layer slot of a stacked buffer (a scanned layer).
+def sliced_results(hlo: str | Program) -> tuple[set[str], set[str], set[str]]:
+    """Instructions some result (tuple element) of which feeds a per-device slice; those whose
+    results are written into a per-layer slot of a stacked buffer (a scanned layer); and those
+    whose every use is a per-device slice.
 
     On CPU a reduce-scatter is lowered as an all-reduce followed by a dynamic-slice by
     partition-id; inside a layer scan the slice happens after the loop, on the stacked gradient.
+    An all-reduce used only through per-device slices is a reduce-scatter whatever it reduces
+    (an activation's, under sequence parallelism).
     """
     users: dict[str, list[Instruction]] = collections.defaultdict(list)
     elements: dict[str, str] = {}
@@ -288,9 +291,57 @@ def sliced_results(hlo: str | Program) -> tuple[set[str], set[str]]:
     # (CPU computes the gradient norm from it), marks the reduce-scatter pattern.
     # The text of the user, not its opcode: on CPU the slice is often inside a fusion whose name
     # or called computation says so.
-    sliced = sources_with_a_user(lambda u: "partition-id" in u.line or "dynamic-slice" in u.line)
+    per_device = lambda u: "partition-id" in u.line or "dynamic-slice" in u.line  # noqa: E731
+    sliced = sources_with_a_user(per_device)
     stacked = sources_with_a_user(lambda u: "dynamic-update-slice" in u.line)
-    return sliced, stacked
+    program = _program(hlo)
+    bodies: dict[str, list[Instruction]] = collections.defaultdict(list)
+    for ins in program.instructions:
+        bodies[ins.computation].append(ins)
+
+    def takes_a_share(u: Instruction, name: str) -> bool:  # a slice of ``name``, or a fusion slicing it
+        if u.opcode == "dynamic-slice" and u.references[:1] == (name,):
+            return True
+        callee = _CALLS.search(u.line)
+        operands = [r for r in u.references if r not in bodies]
+        return u.opcode == "fusion" and callee is not None and name in operands and (
+            _slices_parameter(bodies[callee["callee"]], operands.index(name))
+        )
+
+    reduced = {ins.name for ins in program.instructions if ins.opcode == "all-reduce" and not ins.shape.startswith("(")}
+    only_sliced = {name for name in reduced if users.get(name) and all(takes_a_share(u, name) for u in users[name])}
+    return sliced, stacked, only_sliced
+
+
+_PARAMETER = re.compile(r"\bparameter\((?P<index>\d+)\)")
+# Operations that pass an operand through element by element (or only reshape it).
+_ELEMENTWISE = frozenset(
+    {"bitcast", "reshape", "copy", "transpose", "convert", "select", "add", "subtract", "multiply", "divide"}
+    | {"maximum", "minimum", "negate", "abs", "exponential", "log", "compare", "and", "or", "not", "clamp"}
+)
+
+
+def _slices_parameter(body: list[Instruction], index: int) -> bool:
+    """A fused computation uses its parameter ``index`` only through a per-device
+    ``dynamic-slice`` (after element-by-element operations): it takes that device's share."""
+    held: set[str] = set()
+    sliced = False
+    for ins in body:
+        m = _PARAMETER.search(ins.line) if ins.opcode == "parameter" else None
+        if m and int(m["index"]) == index:
+            held.add(ins.name)
+            continue
+        if not held.intersection(ins.references):
+            continue
+        if ins.opcode == "dynamic-slice" and ins.references[0] in held:
+            sliced = True
+        elif ins.opcode in _ELEMENTWISE:
+            held.add(ins.name)
+        else:  # used whole: a reduction, a matmul, ...
+            return False
+        if ins.line.lstrip().startswith("ROOT") and ins.name in held:
+            return False
+    return sliced
 
 
 # GPU backends rewrite matmuls into library calls: cuBLAS (``__cublas$gemm``, ``__cublas$lt$matmul``)

@@ -65,9 +65,10 @@ def collective_stats(
     With the parameters' specs and shapes, a backward all-reduce over mesh axes that shard
     parameters, on an array shaped like a gradient before that sharding, whose result is then
     sliced per device (or stored per layer, to be sliced after the layer scan) is reported as
-    the reduce-scatter it stands for.
+    the reduce-scatter it stands for; so is any all-reduce whose result is used only through
+    per-device slices (an activation's, under sequence parallelism).
     """
-    sliced, stacked = hlo.sliced_results(text)
+    sliced, stacked, only_sliced = hlo.sliced_results(text)
     mesh_shape = dict(mesh.shape)
     host_of = [d.process_index for d in mesh.devices.flat]
     specs = (
@@ -106,6 +107,8 @@ def collective_stats(
                 for shape in c.shapes
             )
         ):
+            kind, lowered = "reduce-scatter", "all-reduce+dynamic-slice"
+        elif c.kind == "all-reduce" and axes and c.name in only_sliced:
             kind, lowered = "reduce-scatter", "all-reduce+dynamic-slice"
         payload = c.payload_bytes * (n if c.kind == "reduce-scatter" else 1)
         crosses = any(len({host_of[i] for i in g if i < len(host_of)}) > 1 for g in c.groups)

@@ -26,7 +26,8 @@ from shardkit.errors import ModelError, short_repr
 from shardkit.model import Model, from_nnx
 from shardkit.parallel.experts import MoE
 from shardkit.parallel.ring_attention import ring_attention
-from shardkit.partition import constrain, current_rules, logical
+from shardkit.partition import constrain, constrain_to, current_rules, free_mesh_shape, logical, without_axes
+from shardkit.rules import resolve
 
 _PRESETS: dict[str, dict[str, Any]] = {
     # vocab 256: byte-level tokens of the built-in corpus.
@@ -186,6 +187,23 @@ def _param(rngs: nnx.Rngs, init: Any, shape: tuple[int, ...], names: tuple[str |
     return nnx.Param(logical(init, names)(rngs.params(), shape, jnp.dtype(dtype)))
 
 
+def gathered_along_seq(x: jax.Array) -> jax.Array:
+    """``(B, T, D)`` whole along the sequence over ``tensor`` (still split by the other rules).
+
+    Under Megatron sequence parallelism a block's input arrives split along the sequence over
+    ``tensor``; gathering it here, before the column-parallel projection, makes the gathered
+    input what autodiff saves for the weight gradient, so the backward pass does not gather it
+    again (Megatron's volume: one all-gather and one reduce-scatter per all-reduce of plain
+    tensor parallelism). Without sequence parallelism this is the layer boundary's own split.
+    """
+    context = current_rules()
+    if context is None:
+        return x
+    mesh, rules = context
+    spec = resolve(("batch", "seq", "embed"), x.shape, rules, free_mesh_shape(mesh), what="activation")
+    return constrain_to(x, jax.sharding.PartitionSpec(spec[0], *without_axes(jax.sharding.PartitionSpec(*spec[1:]), ("tensor",))))
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, param_dtype: str, rngs: nnx.Rngs):
         self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",), param_dtype)
@@ -236,6 +254,7 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         g = self.groups
         with jax.named_scope("qkv_proj"):
+            x = gathered_along_seq(x)
             qkv = jnp.einsum("btd,dngk->btngk", x, self.wqkv[...].astype(x.dtype))  # (B, T, N, G+2, K)
             if self.cfg.qkv_bias:
                 qkv = qkv + self.bqkv[...].astype(x.dtype)
@@ -272,6 +291,7 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         with jax.named_scope("gate_up_proj"):
+            x = gathered_along_seq(x)
             gate_up = jnp.einsum("btd,dcf->btcf", x, self.w_gate_up[...].astype(x.dtype))  # (B, T, 2, F)
             gate_up = constrain(gate_up, ("batch", "seq", None, "mlp"))
         h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # (B, T, F)
@@ -360,7 +380,9 @@ class GPT(nnx.Module):
         # lookup is a vocab-parallel gather rather than a reshard of the (B, T, D) activations.
         with jax.named_scope("embed"):
             table = constrain(self.embed[...], ("vocab", None))  # (V, D)
-            x = jnp.take(table, tokens, axis=0).astype(dt)  # (B, T, D)
+            # Whole along the sequence first: under sequence parallelism the lookup is then
+            # vocab-parallel and scattered to the sequence shards, never a gather of the table.
+            x = gathered_along_seq(jnp.take(table, tokens, axis=0).astype(dt))  # (B, T, D)
         return constrain(dropout(x, cfg.dropout, None if keys is None else keys[-1]), ("batch", "seq", "embed"))
 
     def run_layers(
