@@ -53,6 +53,8 @@ _BYTES = {
     "c64": 8,
     "c128": 16,
 }
+# The instruction and array patterns, for modules read elsewhere (shardkit.partitioned).
+INSTRUCTION, ARRAY = _INSTRUCTION, _ARRAY
 _OP_NAME = re.compile(r'op_name="(?P<op>[^"]*)"')
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(?P<groups>(?:\{[\d,\s]*\},?\s*)*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
@@ -92,17 +94,16 @@ class Collective:
         return len(self.groups[0]) if self.groups else 0
 
 
+def element_bytes(dtype: str) -> float:
+    """Bytes of one element of an HLO dtype (``bf16`` -> 2, ``f8e4m3fn`` -> 1, ``s4`` -> 0.5)."""
+    return _BYTES.get(dtype.rstrip("0123456789fnuz") if dtype.startswith("f8") else dtype, 1)
+
+
 def _shape_bytes(shape: str, kind: str, is_start: bool) -> int:
     arrays = [(m["dtype"], m["dims"]) for m in _ARRAY.finditer(shape)]
     if is_start and kind in ("all-gather", "collective-permute") and len(arrays) > 1:
         arrays = arrays[len(arrays) // 2 :]  # async start: (operands..., results...)
-    return int(
-        sum(
-            _BYTES.get(d.rstrip("0123456789fnuz") if d.startswith("f8") else d, 1)
-            * math.prod(int(x) for x in dims.split(",") if x)
-            for d, dims in arrays
-        )
-    )
+    return int(sum(element_bytes(d) * math.prod(int(x) for x in dims.split(",") if x) for d, dims in arrays))
 
 
 def _iota(shape: Sequence[int], dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
@@ -266,15 +267,15 @@ def collectives(hlo: str | Program) -> list[Collective]:
     return out
 
 
-def sliced_results(hlo: str | Program) -> tuple[set[str], set[str], set[str]]:
+def sliced_results(hlo: str | Program) -> tuple[set[str], set[str], dict[str, int]]:
     """Instructions some result (tuple element) of which feeds a per-device slice; those whose
-    results are written into a per-layer slot of a stacked buffer (a scanned layer); and those
-    whose every use is a per-device slice.
+    results are written into a per-layer slot of a stacked buffer (a scanned layer); and the
+    all-reduces whose every use is a per-device slice, with the number of parts each is cut into.
 
     On CPU a reduce-scatter is lowered as an all-reduce followed by a dynamic-slice by
     partition-id; inside a layer scan the slice happens after the loop, on the stacked gradient.
-    An all-reduce used only through per-device slices is a reduce-scatter whatever it reduces
-    (an activation's, under sequence parallelism).
+    An all-reduce used only through per-device slices of one part in its group size is a
+    reduce-scatter whatever it reduces (an activation's, under sequence parallelism).
     """
     users: dict[str, list[Instruction]] = collections.defaultdict(list)
     elements: dict[str, str] = {}
@@ -291,7 +292,7 @@ def sliced_results(hlo: str | Program) -> tuple[set[str], set[str], set[str]]:
     # (CPU computes the gradient norm from it), marks the reduce-scatter pattern.
     # The text of the user, not its opcode: on CPU the slice is often inside a fusion whose name
     # or called computation says so.
-    per_device = lambda u: "partition-id" in u.line or "dynamic-slice" in u.line  # noqa: E731
+    per_device = lambda u: "partition-id" in u.line or "dynamic-slice" in u.line
     sliced = sources_with_a_user(per_device)
     stacked = sources_with_a_user(lambda u: "dynamic-update-slice" in u.line)
     program = _program(hlo)
@@ -299,18 +300,22 @@ def sliced_results(hlo: str | Program) -> tuple[set[str], set[str], set[str]]:
     for ins in program.instructions:
         bodies[ins.computation].append(ins)
 
-    def takes_a_share(u: Instruction, name: str) -> bool:  # a slice of ``name``, or a fusion slicing it
+    def share(u: Instruction, name: str) -> int:
+        """Into how many parts ``u`` cuts ``name`` to take one (0: ``u`` uses it whole)."""
+        whole = math.prod(_dims(program_shapes[name]))
         if u.opcode == "dynamic-slice" and u.references[:1] == (name,):
-            return True
+            return whole // max(math.prod(_dims(u.shape)), 1)
         callee = _CALLS.search(u.line)
         operands = [r for r in u.references if r not in bodies]
-        return u.opcode == "fusion" and callee is not None and name in operands and (
-            _slices_parameter(bodies[callee["callee"]], operands.index(name))
-        )
+        if u.opcode != "fusion" or callee is None or name not in operands:
+            return 0
+        part = _sliced_parameter(bodies[callee["callee"]], operands.index(name))
+        return whole // part if part else 0
 
-    reduced = {ins.name for ins in program.instructions if ins.opcode == "all-reduce" and not ins.shape.startswith("(")}
-    only_sliced = {name for name in reduced if users.get(name) and all(takes_a_share(u, name) for u in users[name])}
-    return sliced, stacked, only_sliced
+    program_shapes = {ins.name: ins.shape for ins in program.instructions}
+    reduced = [ins.name for ins in program.instructions if ins.opcode == "all-reduce" and not ins.shape.startswith("(")]
+    shares = {name: min(share(u, name) for u in users[name]) for name in reduced if users.get(name)}
+    return sliced, stacked, {name: parts for name, parts in shares.items() if parts > 1}
 
 
 _PARAMETER = re.compile(r"\bparameter\((?P<index>\d+)\)")
@@ -321,11 +326,11 @@ _ELEMENTWISE = frozenset(
 )
 
 
-def _slices_parameter(body: list[Instruction], index: int) -> bool:
-    """A fused computation uses its parameter ``index`` only through a per-device
-    ``dynamic-slice`` (after element-by-element operations): it takes that device's share."""
+def _sliced_parameter(body: list[Instruction], index: int) -> int:
+    """Elements of the largest per-device ``dynamic-slice`` through which a fused computation
+    uses its parameter ``index`` (after element-by-element operations); 0 if it uses it whole."""
     held: set[str] = set()
-    sliced = False
+    part = 0
     for ins in body:
         m = _PARAMETER.search(ins.line) if ins.opcode == "parameter" else None
         if m and int(m["index"]) == index:
@@ -334,14 +339,14 @@ def _slices_parameter(body: list[Instruction], index: int) -> bool:
         if not held.intersection(ins.references):
             continue
         if ins.opcode == "dynamic-slice" and ins.references[0] in held:
-            sliced = True
+            part = max(part, math.prod(_dims(ins.shape)))
         elif ins.opcode in _ELEMENTWISE:
             held.add(ins.name)
         else:  # used whole: a reduction, a matmul, ...
-            return False
+            return 0
         if ins.line.lstrip().startswith("ROOT") and ins.name in held:
-            return False
-    return sliced
+            return 0
+    return part
 
 
 # GPU backends rewrite matmuls into library calls: cuBLAS (``__cublas$gemm``, ``__cublas$lt$matmul``)

@@ -16,14 +16,16 @@ import collections
 import functools
 import math
 import re
+import tempfile
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from shardkit import hlo
+from shardkit import hlo, partitioned
 from shardkit.errors import AnalysisError
 from shardkit.mesh import Layout
 from shardkit.model import Model, model_facts
@@ -49,6 +51,8 @@ class CompiledStep(Protocol):
 
     def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled: ...
 
+    def lower(self, batch: Mapping[str, Any]) -> jax.stages.Lowered: ...
+
     def abstract_state(self, seed: int = 0) -> Any: ...
 
     def batch_specs(self, batch: Mapping[str, Any]) -> dict[str, PartitionSpec]: ...
@@ -58,7 +62,11 @@ class CompiledStep(Protocol):
 
 # Path components of an HLO op_name that are JAX plumbing rather than the user's code.
 def collective_stats(
-    text: str, mesh: jax.sharding.Mesh, param_specs: Any = None, param_shapes: Any = None
+    text: str,
+    mesh: jax.sharding.Mesh,
+    param_specs: Any = None,
+    param_shapes: Any = None,
+    partitioned_text: str | None = None,
 ) -> list[CollectiveStat]:
     """Aggregate the compiled module's collectives by (kind, mesh axes, op, direction).
 
@@ -66,8 +74,13 @@ def collective_stats(
     parameters, on an array shaped like a gradient before that sharding, whose result is then
     sliced per device (or stored per layer, to be sliced after the layer scan) is reported as
     the reduce-scatter it stands for; so is any all-reduce whose result is used only through
-    per-device slices (an activation's, under sequence parallelism).
+    per-device slices, one part in its group's size (an activation's, under sequence
+    parallelism). With the module as the SPMD partitioner left it (``partitioned_text``), bytes
+    are counted at the dtypes it chose.
     """
+    found = hlo.collectives(text)
+    if partitioned_text is not None:
+        found = partitioned.at_partitioner_dtypes(found, partitioned_text)
     sliced, stacked, only_sliced = hlo.sliced_results(text)
     mesh_shape = dict(mesh.shape)
     host_of = [d.process_index for d in mesh.devices.flat]
@@ -91,24 +104,21 @@ def collective_stats(
         return frozenset(out)
 
     groups: dict[tuple[Any, ...], list[Any]] = collections.defaultdict(list)
-    for c in hlo.collectives(text):
+    for c in found:
         axes = hlo.mesh_axes_of(c.groups, mesh)
         n = c.group_size or 1
         op, direction = source_op(c.op_name)
         kind, lowered = c.kind, ""
-        if (
+        grads = gradient_shapes(tuple(axes))
+        gradient_scatter = (
             c.kind == "all-reduce"
             and direction == "backward"
             and axes
             and set(axes) <= param_axes
             and (c.name in sliced or c.name in stacked)
-            and any(
-                shape in gradient_shapes(tuple(axes)) or _without_leading_ones(shape) in gradient_shapes(tuple(axes))
-                for shape in c.shapes
-            )
-        ):
-            kind, lowered = "reduce-scatter", "all-reduce+dynamic-slice"
-        elif c.kind == "all-reduce" and axes and c.name in only_sliced:
+            and any(shape in grads or _without_leading_ones(shape) in grads for shape in c.shapes)
+        )
+        if gradient_scatter or (c.kind == "all-reduce" and axes and only_sliced.get(c.name) == n):
             kind, lowered = "reduce-scatter", "all-reduce+dynamic-slice"
         payload = c.payload_bytes * (n if c.kind == "reduce-scatter" else 1)
         crosses = any(len({host_of[i] for i in g if i < len(host_of)}) > 1 for g in c.groups)
@@ -197,7 +207,7 @@ def lower_bound(
 
 def build_report(trainer: CompiledStep, batch: dict[str, Any], compile_seconds: float | None = None) -> Report:
     """The report of ``trainer``'s step compiled for batches shaped like ``batch``."""
-    compiled = trainer.compile(batch)
+    compiled, partitioned_text = _compiled(trainer, batch)
     text = compiled.as_text()
     mem = compiled.memory_analysis()
     if text is None or mem is None:
@@ -243,14 +253,30 @@ def build_report(trainer: CompiledStep, batch: dict[str, Any], compile_seconds: 
         microbatches=trainer.microbatches,
         parameters=int(param_count),
         # Gradients are reduced to where the optimizer's copies live: over data too under ZeRO.
-        collectives=tuple(collective_stats(text, trainer.mesh, trainer.update_specs, abstract.params)),
+        collectives=tuple(
+            collective_stats(text, trainer.mesh, trainer.update_specs, abstract.params, partitioned_text)
+        ),
         memory=memory,
         flops_per_device=hlo.dot_flops(text),
         model_flops_per_step=model_flops,
         lower_bound=bound,
         compile_seconds=compile_seconds,
         gradient_reduction=_gradient_reduction(trainer),
+        partitioner_dtypes=partitioned_text is not None,
     )
+
+
+def _compiled(trainer: CompiledStep, batch: dict[str, Any]) -> tuple[jax.stages.Compiled, str | None]:
+    """The compiled step, and on the CPU backend with bf16 in play the module as the SPMD
+    partitioner left it (``shardkit.partitioned``: the CPU compiler runs bf16 collectives in f32)."""
+    bf16 = jnp.dtype(trainer.precision.compute) == jnp.bfloat16 or any(
+        x.dtype == jnp.bfloat16 for x in jax.tree.leaves(trainer.abstract_state().params)
+    )
+    if trainer.mesh.devices.flat[0].platform != "cpu" or not bf16:
+        return trainer.compile(batch), None
+    with tempfile.TemporaryDirectory(prefix="shardkit-partitioned-") as directory:
+        compiled = trainer.lower(batch).compile(compiler_options=partitioned.dump_options(directory))
+        return compiled, partitioned.read(directory)
 
 
 def _gradient_reduction(trainer: CompiledStep) -> str:

@@ -135,6 +135,9 @@ class Report:
     compile_seconds: float | None = None
     # With microbatches: "once" (one reduction per step), or "per_microbatch: <why>".
     gradient_reduction: str = ""
+    # Collective bytes counted at the SPMD partitioner's dtypes (bf16 that the CPU compiler
+    # promoted to f32 counted as bf16: what a GPU moves).
+    partitioner_dtypes: bool = False
 
     @property
     def moved_bytes(self) -> float:
@@ -175,6 +178,7 @@ class Report:
             "ratios": self.ratios,
             "compile_seconds": self.compile_seconds,
             "gradient_reduction": self.gradient_reduction,
+            "partitioner_dtypes": self.partitioner_dtypes,
         }
 
     @classmethod
@@ -198,6 +202,7 @@ class Report:
             lower_bound=d["lower_bound"],
             compile_seconds=d.get("compile_seconds"),
             gradient_reduction=d.get("gradient_reduction", ""),
+            partitioner_dtypes=d.get("partitioner_dtypes", False),
         )
 
     def to_json(self, **kwargs: Any) -> str:
@@ -216,6 +221,11 @@ class Report:
             kind = c.kind + ("*" if c.lowered_as else "") + (" (async)" if c.asynchronous else "")
             axes = ("+".join(c.axes) or "-") + (" [hosts]" if c.crosses_hosts else "")
             lines.append(f"{kind:16s} {axes:16s} {c.direction[:3]:4s} {c.count:5d} {c.moved_bytes / 1e6:10.3f}  {c.op}")
+        if self.partitioner_dtypes:
+            lines.append(
+                f"bytes at the dtypes XLA's partitioner chose (the {self.backend} compiler runs bf16 "
+                "collectives in f32)"
+            )
         if any(c.lowered_as for c in self.collectives):
             lines.append(f"* lowered on {self.backend} as all-reduce + dynamic-slice; GPU backends emit reduce-scatter")
         overlapped = sum(c.count for c in self.collectives if c.asynchronous)

@@ -35,6 +35,7 @@ LAYERS = {
         "tokenizer",
         "packed",
         "dropout",
+        "partitioned",
     },
     1: {
         "partition",

@@ -133,7 +133,7 @@ def test_sequence_parallelism_moves_megatrons_volume_labelled_as_gathers_and_sca
         "out_proj",
         "down_proj",
     }
-    activations = lambda layer: sum(c.moved_bytes for c in layer if c.payload_bytes > 1024)  # noqa: E731
+    activations = lambda layer: sum(c.moved_bytes for c in layer if c.payload_bytes > 1024)
     assert activations(sp_layer) == pytest.approx(activations(plain_layer), rel=1e-6)  # Megatron-SP: TP's volume
     # Besides: the norms' weight gradients, summed over the sequence shards (as in Megatron).
     assert sum(c.moved_bytes for c in sp_layer) <= 1.01 * sum(c.moved_bytes for c in plain_layer)

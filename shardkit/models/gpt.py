@@ -201,7 +201,8 @@ def gathered_along_seq(x: jax.Array) -> jax.Array:
         return x
     mesh, rules = context
     spec = resolve(("batch", "seq", "embed"), x.shape, rules, free_mesh_shape(mesh), what="activation")
-    return constrain_to(x, jax.sharding.PartitionSpec(spec[0], *without_axes(jax.sharding.PartitionSpec(*spec[1:]), ("tensor",))))
+    rest = without_axes(jax.sharding.PartitionSpec(*spec[1:]), ("tensor",))
+    return constrain_to(x, jax.sharding.PartitionSpec(spec[0], *rest))
 
 
 class RMSNorm(nnx.Module):

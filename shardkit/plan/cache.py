@@ -13,6 +13,10 @@ import jax
 
 from shardkit.dryrun import DryRunConfig
 
+# Bumped when the figures a dry run reports change meaning (e.g. bf16 collectives counted at the
+# partitioner's dtype, sequence-parallel reduce-scatters named as such), so older entries miss.
+COUNTING = 2
+
 
 class DryRunCache:
     """Dry-run results on disk, keyed by everything that changes the compiled program."""
@@ -29,7 +33,7 @@ class DryRunCache:
     def key(cfg: DryRunConfig, fingerprint: str = "") -> str:
         """Everything that changes the compiled program; ``fingerprint`` stands for a factory's
         model (its parameters' shapes, dtypes and names), whose code the name alone does not pin."""
-        raw = json.dumps([dataclasses.asdict(cfg), jax.__version__, fingerprint], sort_keys=True)
+        raw = json.dumps([dataclasses.asdict(cfg), jax.__version__, fingerprint, COUNTING], sort_keys=True)
         return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
     def get(self, cfg: DryRunConfig, fingerprint: str = "") -> dict[str, Any] | None:
