@@ -117,6 +117,26 @@ def test_accumulation_benchmark_small(tmp_path):
 
 
 @pytest.mark.slow
+def test_cpu_vs_pytorch_benchmark_times_shardkit_without_pytorch(tmp_path):
+    # PyTorch is not a dependency: without it the benchmark times shardkit's two forms and says so.
+    out = run(
+        sys.executable,
+        "benchmarks/cpu_vs_pytorch.py",
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+        "--json",
+        str(tmp_path / "t.json"),
+    )
+    best = json.loads((tmp_path / "t.json").read_text())["best"]
+    assert set(best) >= {"shardkit", "shardkit-unrolled"}
+    assert all(r["tokens_per_s"] > 0 and r["parameters"] == 4_327_680 for r in best.values())
+    if "torch" not in best:
+        assert "PyTorch is not importable" in out
+
+
+@pytest.mark.slow
 def test_pipeline_benchmark_small(tmp_path):
     out = run(sys.executable, "benchmarks/pipeline.py", "--quick", "--json", str(tmp_path / "p.json"))
     result = json.loads((tmp_path / "p.json").read_text())

@@ -1,0 +1,211 @@
+"""Training speed on CPU against what a user would pick instead: shardkit's data-parallel step on
+2 simulated devices against PyTorch DDP with 2 processes (gloo), the same Llama-style byte model,
+the same cores, alternating runs.
+
+    python benchmarks/cpu_vs_pytorch.py                             # PyTorch from this interpreter
+    python benchmarks/cpu_vs_pytorch.py --torch-python /path/to/python --json out.json
+
+The model on both sides: vocabulary 256 (bytes), d=256, 4 layers, 4 heads of 64, SwiGLU 1024,
+RMSNorm, rotary positions, untied head: 4.33M parameters; batch 16 x 128, fp32, AdamW. PyTorch
+is not a dependency of shardkit: without it (here or at ``--torch-python``) only shardkit runs.
+shardkit runs twice, with its layer stack scanned (the default) and unrolled
+(``GPTConfig(scan_layers=False)``). Each run is its own process; the best of ``--rounds`` counts.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+DIM, LAYERS, HEADS, MLP, VOCAB, SEQ, BATCH = 256, 4, 4, 1024, 256, 128, 16
+
+
+def shardkit_worker(steps: int, unrolled: bool) -> dict:
+    import jax
+    import numpy as np
+    import optax
+
+    import shardkit as sk
+
+    sk.simulate_devices(2)
+    cfg = sk.models.GPTConfig(
+        vocab=VOCAB,
+        dim=DIM,
+        n_layers=LAYERS,
+        n_heads=HEADS,
+        n_kv_heads=HEADS,
+        mlp_dim=MLP,
+        max_seq=SEQ,
+        scan_layers=not unrolled,
+    )
+    trainer = sk.Trainer(cfg.model(), optax.adamw(1e-3), "data=2")
+    data = sk.TextDataset.builtin()
+    batches = [trainer.shard_batch(data.batch(i, batch_size=BATCH, seq_len=SEQ)) for i in range(4)]
+    state = trainer.init(0)
+    for b in batches[:3]:  # compile and warm up
+        state, metrics = trainer.step(state, b)
+    jax.block_until_ready(metrics["loss"])
+    start = time.perf_counter()
+    for i in range(steps):
+        state, metrics = trainer.step(state, batches[i % len(batches)])
+    jax.block_until_ready(metrics["loss"])
+    seconds = time.perf_counter() - start
+    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    return {"tokens_per_s": BATCH * SEQ * steps / seconds, "parameters": params}
+
+
+def torch_worker(steps: int) -> dict:
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_torch_rank, args=(2, steps, queue), nprocs=2, join=True)
+    return queue.get()
+
+
+def _torch_rank(rank: int, world: int, steps: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.set_num_threads(1)  # two processes on two cores, as shardkit's two devices
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+
+    class RMSNorm(nn.Module):
+        def __init__(self, d: int):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+    def rope(x, cos, sin):  # rotate-half, as Llama
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn_norm, self.mlp_norm = RMSNorm(DIM), RMSNorm(DIM)
+            self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+            self.out = nn.Linear(DIM, DIM, bias=False)
+            self.gate_up = nn.Linear(DIM, 2 * MLP, bias=False)
+            self.down = nn.Linear(MLP, DIM, bias=False)
+
+        def forward(self, x, cos, sin):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(rope(q, cos, sin), rope(k, cos, sin), v, is_causal=True)
+            x = x + self.out(a.transpose(1, 2).reshape(b, t, DIM))
+            gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+            return x + self.down(F.silu(gate) * up)
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.blocks = nn.ModuleList([Block() for _ in range(LAYERS)])
+            self.norm = RMSNorm(DIM)
+            self.head = nn.Linear(DIM, VOCAB, bias=False)
+            inv = 1.0 / (10000 ** (torch.arange(0, DIM // HEADS, 2).float() / (DIM // HEADS)))
+            angles = torch.outer(torch.arange(SEQ).float(), inv)
+            self.register_buffer("cos", torch.cat([angles.cos()] * 2, -1))
+            self.register_buffer("sin", torch.cat([angles.sin()] * 2, -1))
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x, self.cos, self.sin)
+            return self.head(self.norm(x))
+
+    model = nn.parallel.DistributedDataParallel(LM())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, VOCAB, (BATCH // world, SEQ + 1), generator=gen) for _ in range(4)]
+
+    def step(tokens):
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for b in batches[:3]:
+        step(b)
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(steps):
+        step(batches[i % len(batches)])
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    if rank == 0:
+        params = sum(p.numel() for p in model.parameters())
+        queue.put({"tokens_per_s": BATCH * SEQ * steps / seconds, "parameters": params})
+    dist.destroy_process_group()
+
+
+def run_worker(python: str, worker: str, steps: int) -> dict:
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+    proc = subprocess.run(
+        [python, os.path.abspath(__file__), "--worker", worker, "--steps", str(steps)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
+    if proc.returncode:
+        raise RuntimeError(f"{worker} worker failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def torch_available(python: str) -> bool:
+    return subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--torch-python", default=sys.executable, help="an interpreter with PyTorch installed")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", choices=("shardkit", "shardkit-unrolled", "torch"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        result = (
+            torch_worker(args.steps)
+            if args.worker == "torch"
+            else shardkit_worker(args.steps, "unrolled" in args.worker)
+        )
+        print(json.dumps(result))
+        return
+    runners = {"shardkit": sys.executable, "shardkit-unrolled": sys.executable}
+    if torch_available(args.torch_python):
+        runners["torch"] = args.torch_python
+    else:
+        print(f"PyTorch is not importable by {args.torch_python}: timing shardkit only")
+    best: dict[str, dict] = {}
+    for _ in range(args.rounds):  # alternate, so the machine's drift touches each side alike
+        for name, python in runners.items():
+            result = run_worker(python, name, args.steps)
+            if name not in best or result["tokens_per_s"] > best[name]["tokens_per_s"]:
+                best[name] = result
+    print(f"{'run':20s} {'parameters':>12s} {'tokens/s':>10s} {'vs torch':>9s}")
+    for name, result in best.items():
+        ratio = result["tokens_per_s"] / best["torch"]["tokens_per_s"] if "torch" in best else float("nan")
+        print(f"{name:20s} {result['parameters']:12,d} {result['tokens_per_s']:10,.0f} {ratio:9.3f}")
+    if args.json:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _results import write_json
+
+        write_json(args.json, {"rounds": args.rounds, "steps": args.steps, "best": best})
+
+
+if __name__ == "__main__":
+    main()
