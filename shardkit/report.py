@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from shardkit import hlo, partitioned
+from shardkit import hlo, hlo_uses, partitioned
 from shardkit.errors import AnalysisError
 from shardkit.mesh import Layout
 from shardkit.model import Model, model_facts
@@ -81,7 +81,7 @@ def collective_stats(
     found = hlo.collectives(text)
     if partitioned_text is not None:
         found = partitioned.at_partitioner_dtypes(found, partitioned_text)
-    sliced, stacked, only_sliced = hlo.sliced_results(text)
+    sliced, stacked, only_sliced = hlo_uses.sliced_results(text)
     mesh_shape = dict(mesh.shape)
     host_of = [d.process_index for d in mesh.devices.flat]
     specs = (

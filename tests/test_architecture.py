@@ -36,6 +36,7 @@ LAYERS = {
         "packed",
         "dropout",
         "partitioned",
+        "hlo_uses",
     },
     1: {
         "partition",
