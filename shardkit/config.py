@@ -262,6 +262,7 @@ class DryRunSettings:
     remat: str = same_as(TrainConfig, "remat")
     zero: int = same_as(TrainConfig, "zero")
     reduce_gradients: str = same_as(TrainConfig, "reduce_gradients")
+    sequence_parallel: bool = same_as(TrainConfig, "sequence_parallel")
     scan_layers: bool = setting(True, "unroll the layer stack instead of scanning it", flag="--unrolled", negate=True)
     n_layers: int | None = setting(None, "override the preset's number of layers", flag="--layers")
     devices: int | None = same_as(TrainConfig, "devices")

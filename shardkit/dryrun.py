@@ -102,6 +102,7 @@ def _trainer_and_batch(model: Model, cfg: DryRunConfig, seq: int) -> tuple[Train
         virtual_stages=cfg.virtual_stages,
         zero=cfg.zero,
         reduce_gradients=cfg.reduce_gradients,
+        sequence_parallel=cfg.sequence_parallel,
     )
     return trainer, {"tokens": jax.ShapeDtypeStruct((cfg.batch, seq + 1), jnp.int32)}
 

@@ -1,11 +1,13 @@
 """Megatron sequence parallelism (tensor axis) and ring attention (sequence axis)."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import gpt_reference, run_trainer
+from helpers import gpt_reference, run_cli, run_trainer
 
 import shardkit as sk
 from shardkit import hlo
@@ -138,6 +140,14 @@ def test_sequence_parallelism_moves_megatrons_volume_labelled_as_gathers_and_sca
     # Besides: the norms' weight gradients, summed over the sequence shards (as in Megatron).
     assert sum(c.moved_bytes for c in sp_layer) <= 1.01 * sum(c.moved_bytes for c in plain_layer)
     assert sp.bytes_by_axes()["tensor"] <= 1.01 * plain.bytes_by_axes()["tensor"]
+
+
+def test_a_dry_run_on_the_command_line_shows_sequence_parallel_scatters():
+    args = ("dryrun", "--model", "tiny", "--layout", "data=2,tensor=4", "--batch", "8", "--seq", "32", "--json")
+    plain, sp = run_cli(*args), run_cli(*args, "--sequence-parallel")
+    assert plain.returncode == 0 and sp.returncode == 0, sp.stderr[-2000:]
+    kinds = lambda out: {c["kind"] for c in json.loads(out)["collectives"] if c["axes"] == ["tensor"]}
+    assert "reduce-scatter" in kinds(sp.stdout) and "reduce-scatter" not in kinds(plain.stdout)
 
 
 def test_ring_attention_refuses_a_sequence_not_split_over_the_sequence_axis():
