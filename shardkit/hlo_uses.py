@@ -27,9 +27,10 @@ def sliced_results(hlo: str | Program) -> tuple[set[str], set[str], dict[str, in
     An all-reduce used only through per-device slices of one part in its group size is a
     reduce-scatter whatever it reduces (an activation's, under sequence parallelism).
     """
+    program = as_program(hlo)
     users: dict[str, list[Instruction]] = collections.defaultdict(list)
     elements: dict[str, str] = {}
-    for ins in as_program(hlo).instructions:
+    for ins in program.instructions:
         if ins.opcode == "get-tuple-element":
             elements[ins.name] = ins.references[0] if ins.references else ""
         for used in ins.references:
@@ -45,7 +46,6 @@ def sliced_results(hlo: str | Program) -> tuple[set[str], set[str], dict[str, in
     per_device = lambda u: "partition-id" in u.line or "dynamic-slice" in u.line
     sliced = sources_with_a_user(per_device)
     stacked = sources_with_a_user(lambda u: "dynamic-update-slice" in u.line)
-    program = as_program(hlo)
     bodies: dict[str, list[Instruction]] = collections.defaultdict(list)
     for ins in program.instructions:
         bodies[ins.computation].append(ins)

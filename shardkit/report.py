@@ -78,10 +78,11 @@ def collective_stats(
     parallelism). With the module as the SPMD partitioner left it (``partitioned_text``), bytes
     are counted at the dtypes it chose.
     """
-    found = hlo.collectives(text)
+    program = hlo.parse(text)
+    found = hlo.collectives(program)
     if partitioned_text is not None:
         found = partitioned.at_partitioner_dtypes(found, partitioned_text)
-    sliced, stacked, only_sliced = hlo_uses.sliced_results(text)
+    sliced, stacked, only_sliced = hlo_uses.sliced_results(program)
     mesh_shape = dict(mesh.shape)
     host_of = [d.process_index for d in mesh.devices.flat]
     specs = (
@@ -207,12 +208,12 @@ def lower_bound(
 
 def build_report(trainer: CompiledStep, batch: dict[str, Any], compile_seconds: float | None = None) -> Report:
     """The report of ``trainer``'s step compiled for batches shaped like ``batch``."""
-    compiled, partitioned_text = _compiled(trainer, batch)
+    abstract = trainer.abstract_state()
+    compiled, partitioned_text = _compiled(trainer, batch, abstract.params)
     text = compiled.as_text()
     mem = compiled.memory_analysis()
     if text is None or mem is None:
         raise AnalysisError("The compiled step has no HLO text or memory analysis on this backend; nothing to report.")
-    abstract = trainer.abstract_state()
     shardings = trainer.state_shardings
     batch_shardings = {k: jax.sharding.NamedSharding(trainer.mesh, s) for k, s in trainer.batch_specs(batch).items()}
     memory = Memory(
@@ -266,11 +267,12 @@ def build_report(trainer: CompiledStep, batch: dict[str, Any], compile_seconds: 
     )
 
 
-def _compiled(trainer: CompiledStep, batch: dict[str, Any]) -> tuple[jax.stages.Compiled, str | None]:
-    """The compiled step, and on the CPU backend with bf16 in play the module as the SPMD
-    partitioner left it (``shardkit.partitioned``: the CPU compiler runs bf16 collectives in f32)."""
+def _compiled(trainer: CompiledStep, batch: dict[str, Any], params: Any) -> tuple[jax.stages.Compiled, str | None]:
+    """The compiled step, and on the CPU backend with bf16 in play (in the compute dtype or the
+    ``params``) the module as the SPMD partitioner left it (``shardkit.partitioned``: the CPU
+    compiler runs bf16 collectives in f32)."""
     bf16 = jnp.dtype(trainer.precision.compute) == jnp.bfloat16 or any(
-        x.dtype == jnp.bfloat16 for x in jax.tree.leaves(trainer.abstract_state().params)
+        x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params)
     )
     if trainer.mesh.devices.flat[0].platform != "cpu" or not bf16:
         return trainer.compile(batch), None
