@@ -242,3 +242,19 @@ def test_dropout_of_row_blocks_draws_the_bits_of_the_whole():
     # A vmap over keys draws each its own bits.
     per_key = jax.vmap(lambda k: dropout(jnp.ones((4, 4)), 0.5, k))(jax.random.split(key, 2))
     assert not np.array_equal(np.asarray(per_key[0]), np.asarray(per_key[1]))
+
+
+def test_zero_stages_reduce_once_onto_the_optimizers_shards():
+    cfg = GPTConfig.preset("tiny")
+    base = sk.Trainer(cfg.model(), optax.sgd(0.3), "data=8", microbatches=K, reduce_gradients="per_microbatch")
+    _, want = run_trainer(base, BATCHES[:2])
+    bytes_by_stage = {}
+    for zero in (1, 2):
+        trainer = sk.Trainer(cfg.model(), optax.sgd(0.3), "data=8", microbatches=K, zero=zero)
+        _, params = run_trainer(trainer, BATCHES[:2])
+        assert trainer.accumulation.reduces == "once"  # ZeRO splits the optimizer's copies, not the parameters
+        assert_trees_close(params, want, rtol=1e-4, atol=1e-6)
+        bytes_by_stage[zero] = gradient_bytes(trainer)
+    # ZeRO-1 all-reduces the sums once; ZeRO-2 reduce-scatters them onto the optimizer's shards.
+    assert bytes_by_stage[1] == pytest.approx(reduction_bound(trainer), rel=0.01)
+    assert bytes_by_stage[2] == pytest.approx(bytes_by_stage[1] / 2, rel=0.01)
