@@ -36,7 +36,13 @@ def models(cfg: LMConfig, seq: int):
 
 
 def row(name, when, layout, report):
-    act_fsdp = sum(c.moved_bytes for c in report.collectives if c.kind == "all-reduce" and "fsdp" in c.axes)
+    # Activations reduced over fsdp in the forward pass (all-reduces, or all-reduces each device
+    # then slices, which the report names reduce-scatters): what the boundaries remove.
+    act_fsdp = sum(
+        c.moved_bytes
+        for c in report.collectives
+        if "fsdp" in c.axes and (c.kind == "all-reduce" or (c.kind == "reduce-scatter" and c.direction == "forward"))
+    )
     return {
         "model": name,
         "when": when,
@@ -45,7 +51,7 @@ def row(name, when, layout, report):
         "moved_mb": report.moved_bytes / 1e6,
         "bound_mb": report.lower_bound["bytes_per_device"] / 1e6,
         "all_reduce_over_fsdp_mb": act_fsdp / 1e6,
-        "reduce_scatter": any(c.kind == "reduce-scatter" for c in report.collectives),
+        "reduce_scatter": any(c.kind == "reduce-scatter" and c.direction == "backward" for c in report.collectives),
         "temp_mb": report.memory.temp / 1e6,
         "gflops_per_device": report.flops_per_device / 1e9,
     }
