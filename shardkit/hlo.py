@@ -52,8 +52,8 @@ _BYTES = {
     "c64": 8,
     "c128": 16,
 }
-# The instruction and array patterns, for modules read elsewhere (shardkit.partitioned).
-INSTRUCTION, ARRAY = _INSTRUCTION, _ARRAY
+# The instruction pattern, for modules read elsewhere (shardkit.partitioned).
+INSTRUCTION = _INSTRUCTION
 _OP_NAME = re.compile(r'op_name="(?P<op>[^"]*)"')
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(?P<groups>(?:\{[\d,\s]*\},?\s*)*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
@@ -98,11 +98,16 @@ def element_bytes(dtype: str) -> float:
     return _BYTES.get(dtype.rstrip("0123456789fnuz") if dtype.startswith("f8") else dtype, 1)
 
 
-def _shape_bytes(shape: str, kind: str, is_start: bool) -> int:
-    arrays = [(m["dtype"], m["dims"]) for m in _ARRAY.finditer(shape)]
+def result_arrays(shape: str, kind: str, is_start: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """``(dtype, dims)`` of each result array of a collective whose shape text is ``shape``."""
+    arrays = [(m["dtype"], tuple(int(x) for x in m["dims"].split(",") if x)) for m in _ARRAY.finditer(shape)]
     if is_start and kind in ("all-gather", "collective-permute") and len(arrays) > 1:
         arrays = arrays[len(arrays) // 2 :]  # async start: (operands..., results...)
-    return int(sum(element_bytes(d) * math.prod(int(x) for x in dims.split(",") if x) for d, dims in arrays))
+    return arrays
+
+
+def _shape_bytes(shape: str, kind: str, is_start: bool) -> int:
+    return int(sum(element_bytes(d) * math.prod(dims) for d, dims in result_arrays(shape, kind, is_start)))
 
 
 def _iota(shape: Sequence[int], dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:

@@ -60,9 +60,4 @@ def at_partitioner_dtypes(collectives: Iterable[hlo.Collective], partitioned: st
 def _arrays(line: str, kind: str) -> list[tuple[str, tuple[int, ...]]]:
     """``(dtype, dims)`` of a collective's result arrays, from its instruction text."""
     m = hlo.INSTRUCTION.match(line)
-    if not m:
-        return []
-    arrays = [(a["dtype"], tuple(int(x) for x in a["dims"].split(",") if x)) for a in hlo.ARRAY.finditer(m["shape"])]
-    if m["start"] and kind in ("all-gather", "collective-permute") and len(arrays) > 1:
-        arrays = arrays[len(arrays) // 2 :]  # async start: (operands..., results...)
-    return arrays
+    return hlo.result_arrays(m["shape"], kind, bool(m["start"])) if m else []
