@@ -4,7 +4,7 @@ the layout or on how the step splits the rows.
 Threefry is partitionable, so one draw over the global shape gives the same bits on any mesh.
 What a plain ``jax.random.bernoulli`` does not survive is a ``vmap`` over blocks of rows: each
 block would draw the same bits for its own rows. shardkit vmaps the model over each device's rows
-when gradient accumulation reduces once (``shardkit.steps.once_reduced_grads``); :func:`dropout`
+when gradient accumulation reduces once (``shardkit.accumulation.once_reduced_grads``); :func:`dropout`
 carries a batching rule that draws for the concatenated rows instead, so the vmapped step sees
 the bits of the whole microbatch, row for row.
 

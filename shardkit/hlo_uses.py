@@ -29,8 +29,10 @@ def sliced_results(hlo: str | Program) -> tuple[set[str], set[str], dict[str, in
     """
     program = as_program(hlo)
     users: dict[str, list[Instruction]] = collections.defaultdict(list)
+    bodies: dict[str, list[Instruction]] = collections.defaultdict(list)
     elements: dict[str, str] = {}
     for ins in program.instructions:
+        bodies[ins.computation].append(ins)
         if ins.opcode == "get-tuple-element":
             elements[ins.name] = ins.references[0] if ins.references else ""
         for used in ins.references:
@@ -46,9 +48,7 @@ def sliced_results(hlo: str | Program) -> tuple[set[str], set[str], dict[str, in
     per_device = lambda u: "partition-id" in u.line or "dynamic-slice" in u.line
     sliced = sources_with_a_user(per_device)
     stacked = sources_with_a_user(lambda u: "dynamic-update-slice" in u.line)
-    bodies: dict[str, list[Instruction]] = collections.defaultdict(list)
-    for ins in program.instructions:
-        bodies[ins.computation].append(ins)
+    program_shapes = {ins.name: ins.shape for ins in program.instructions}
 
     def share(u: Instruction, name: str) -> int:
         """Into how many parts ``u`` cuts ``name`` to take one (0: ``u`` uses it whole)."""
@@ -62,7 +62,6 @@ def sliced_results(hlo: str | Program) -> tuple[set[str], set[str], dict[str, in
         part = _sliced_parameter(bodies[callee["callee"]], operands.index(name))
         return whole // part if part else 0
 
-    program_shapes = {ins.name: ins.shape for ins in program.instructions}
     reduced = [ins.name for ins in program.instructions if ins.opcode == "all-reduce" and not ins.shape.startswith("(")]
     shares = {name: min(share(u, name) for u in users[name]) for name in reduced if users.get(name)}
     return sliced, stacked, {name: parts for name, parts in shares.items() if parts > 1}
