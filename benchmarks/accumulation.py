@@ -8,8 +8,10 @@ once per microbatch, from compiled train steps on simulated devices.
 all-reduces and reduce-scatters over data and fsdp; ring formulas); "bound" is reducing fp32
 gradients once (a reduce-scatter over the axes that split a parameter, an all-reduce of the
 shard over the rest). "all MB" adds every other collective (FSDP's parameter gathers run per
-microbatch under both). The last table times the data-parallel step both ways, alternating
-runs, and prints the ratio of tokens/s (simulated devices on a shared CPU: a ratio, not speeds).
+microbatch under both; a pipeline's stage hops too). The last lines time the data-parallel and
+the pipelined step both ways, alternating runs, and print the ratio of tokens/s (simulated
+devices on a shared CPU: a ratio, not speeds). Under a pipeline, "per microbatch" reduces in
+each backward slot of the schedule.
 """
 
 import argparse
@@ -107,7 +109,7 @@ def main() -> None:
     n, k = args.devices, args.microbatches
     model = sk.models.GPTConfig.preset(args.model).model()
     shape = {"tokens": jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)}
-    layouts = [f"data={n}", f"fsdp={n}", f"data={n // 4},fsdp=2,tensor=2"]
+    layouts = [f"data={n}", f"fsdp={n}", f"data={n // 4},fsdp=2,tensor=2", f"stage=2,data={n // 2}"]
     rows = compiled_rows(model, layouts, k, shape)
     print(f"GPT {args.model}, {n} simulated devices, batch {args.batch} x {args.seq}, fp32, AdamW")
     heads = ("K", "reduce", "gradient MB", "bound MB", "all MB", "temp MB")
@@ -118,13 +120,15 @@ def main() -> None:
             f"{r['bound_MB']:15.3f} {r['all_MB']:15.3f} {r['temp_MB']:15.2f}"
         )
     tokens = np.random.default_rng(0).integers(0, 256, (args.batch, args.seq + 1)).astype(np.int32)
-    speed = timed(model, f"data={n}", k, {"tokens": tokens}, args.rounds, args.steps)
-    print(
-        f"\n{speed['layout']}, {k} microbatches: tokens/s once {speed['tokens_per_s']['once']:,.0f}, "
-        f"per microbatch {speed['tokens_per_s']['per_microbatch']:,.0f}, ratio {speed['ratio_once']:.3f}"
-    )
+    speeds = [timed(model, layout, k, {"tokens": tokens}, args.rounds, args.steps) for layout in layouts[::3]]
+    print()
+    for speed in speeds:
+        print(
+            f"{speed['layout']}, {k} microbatches: tokens/s once {speed['tokens_per_s']['once']:,.0f}, "
+            f"per microbatch {speed['tokens_per_s']['per_microbatch']:,.0f}, ratio {speed['ratio_once']:.3f}"
+        )
     if args.json:
-        write_json(args.json, {"model": args.model, "devices": n, "microbatches": k, "rows": rows, "speed": speed})
+        write_json(args.json, {"model": args.model, "devices": n, "microbatches": k, "rows": rows, "speeds": speeds})
 
 
 if __name__ == "__main__":

@@ -35,12 +35,13 @@ from shardkit.config import REDUCE_GRADIENTS
 from shardkit.errors import InputError, LayoutError, ModelError
 from shardkit.losses import Batch, LossFn
 from shardkit.model import Model, Params
+from shardkit.parallel.schedule import Schedule
 from shardkit.partition import axes_taken, without_axes
 from shardkit.precision import Precision
 from shardkit.report_data import GRADIENT_REDUCTION_SCOPE
 from shardkit.rules import entry_axes
 from shardkit.sharding import ShardingPlan
-from shardkit.steps import GradsFn, plain_grads, split_microbatches
+from shardkit.steps import GradsFn, pipelined_grads, plain_grads, reduce_row_sums, split_microbatches
 
 # Primitives that draw random bits. shardkit's dropout draws inside a custom_vmap_call, which
 # the search does not enter: its bits survive the vmap over rows.
@@ -127,34 +128,29 @@ def once_reduced_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan,
         (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
         with jax.named_scope(GRADIENT_REDUCTION_SCOPE):  # the report counts it as backward traffic
             reduced = jax.tree.map(
-                lambda g, spec: _reduce(g, spec) / (microbatches * n),
+                lambda g, spec: reduce_row_sums(g, spec, plan, axes) / (microbatches * n),
                 grad_sum,
                 plan.param_specs,
                 is_leaf=lambda x: isinstance(x, PartitionSpec),
             )
         return loss_sum / microbatches, count, reduced
 
-    def _reduce(sums: jax.Array, spec: PartitionSpec) -> jax.Array:
-        """``(n, *param)`` -> ``param``: first over the row axes that split the parameter (a
-        reduce-scatter onto its shards), then over the rest (an all-reduce of the shard): the
-        bytes of data parallelism plus ZeRO-3, not an all-reduce of the whole over every axis."""
-        used = {a for entry in spec for a in entry_axes(entry)}
-        first = [i for i, a in enumerate(axes) if a in used]
-        rest = [i for i, a in enumerate(axes) if a not in used]
-        per_axis = sums.reshape(*(mesh.shape[a] for a in axes), *sums.shape[1:])
-        partial = per_axis.sum(tuple(first)) if first else per_axis
-        kept = tuple(axes[i] for i in rest)
-        inner = tuple(spec) + (None,) * (sums.ndim - 1 - len(spec))
-        partial = plan.constrain(partial, NamedSharding(mesh, PartitionSpec(*kept, *inner)))
-        return plan.constrain(partial.sum(tuple(range(len(rest)))), NamedSharding(mesh, spec))
-
     return grads
 
 
 def choose(
-    model: Model, loss: LossFn, precision: Precision, microbatches: int, plan: ShardingPlan, reduce: str
+    model: Model,
+    loss: LossFn,
+    precision: Precision,
+    microbatches: int,
+    plan: ShardingPlan,
+    reduce: str,
+    schedule: Schedule | None = None,
 ) -> tuple[GradsFn, Accumulation]:
     """The gradient strategy for ``microbatches`` per step, and how it reduces.
+
+    With a pipeline ``schedule`` the microbatches are the schedule's, and reducing once happens
+    after the schedule instead of in every backward slot.
 
     Raises:
       InputError: ``reduce`` is not one of ``REDUCE_GRADIENTS``.
@@ -163,9 +159,22 @@ def choose(
     """
     if reduce not in REDUCE_GRADIENTS:
         raise InputError(f"reduce_gradients={reduce!r}: choose one of {', '.join(REDUCE_GRADIENTS)}.")
-    plain = plain_grads(model, loss, precision)
+
+    def reducing(axes: tuple[str, ...]) -> GradsFn:
+        """Gradients reduced once over ``axes``, or per microbatch when ``axes`` is empty."""
+        if schedule is not None:
+            return pipelined_grads(model, loss, precision, schedule, plan, axes)
+        plain = plain_grads(model, loss, precision)
+        if microbatches == 1:
+            return plain
+        return (
+            once_reduced_grads(plain, microbatches, plan, axes)
+            if axes
+            else accumulated_grads(plain, microbatches, plan)
+        )
+
     if microbatches == 1:  # no loop: the step's one gradient is reduced once
-        return plain, Accumulation(reduce, "once")
+        return reducing(()), Accumulation(reduce, "once")
     info = Accumulation(reduce)
     axes = _row_axes(plan)
     reason = _layout_reason(plan, axes, reduce)
@@ -176,11 +185,8 @@ def choose(
         )
     if reason or reduce == "per_microbatch":
         info.reduces, info.reason = "per_microbatch", reason or "asked for"
-        return accumulated_grads(plain, microbatches, plan), info
-    per_microbatch, once = (
-        accumulated_grads(plain, microbatches, plan),
-        once_reduced_grads(plain, microbatches, plan, axes),
-    )
+        return reducing(()), info
+    per_microbatch, once = reducing(()), reducing(axes)
 
     def grads(params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
         found = _traced_reason(model, loss, precision, plan, params, batch, key, microbatches, axes)
@@ -206,7 +212,7 @@ def _layout_reason(plan: ShardingPlan, axes: tuple[str, ...], reduce: str) -> st
     layout = plan.layout
     if layout.explicit:
         return "Explicit mesh axes put sharding in the types, which the vmap over rows does not follow"
-    for axis in ("sequence", "expert", "stage"):
+    for axis in ("sequence", "expert"):
         if layout.size(axis) > 1:
             return f"{axis}={layout.size(axis)} splits more than the rows"
     if not axes:

@@ -282,7 +282,7 @@ def _compiled(trainer: CompiledStep, batch: dict[str, Any], params: Any) -> tupl
 
 
 def _gradient_reduction(trainer: CompiledStep) -> str:
-    """``"once"``, ``"per_microbatch: <why>"``, or "" without microbatches (or a pipeline)."""
+    """``"once"``, ``"per_microbatch: <why>"``, or "" without microbatches."""
     acc = trainer.accumulation
     if trainer.microbatches == 1 or acc is None or acc.reduces is None:
         return ""

@@ -31,12 +31,23 @@ def source_op(op_name: str) -> tuple[str, str]:
     Example:
       >>> source_op("jit(step)/transpose(jvp())/while/body/closed_call/layer/mlp/down_proj/dot_general")
       ('layer/mlp/down_proj/dot_general', 'backward')
+      >>> source_op("jit(step)/(while/body/reduce_sum:reduce_gradients/reduce_sum:reduce_gradients/reduce_sum)")
+      ('reduce_gradients/reduce_sum (+2 combined)', 'backward')
+      >>> source_op("jit(step)/transpose(jvp())/layer/(attn/reduce_sum:mlp/down_proj/dot_general)")
+      ('layer/attn/reduce_sum (+1 combined)', 'backward')
     """
-    # XLA joins the op_names of collectives it combined with ":" (and a parenthesised prefix).
-    combined = op_name.split(":")
-    first = combined[0]
-    direction = "backward" if "transpose(" in first or f"/{GRADIENT_REDUCTION_SCOPE}/" in first else "forward"
-    body = re.sub(r"^jit\([^()]*\)/", "", first)
+    combined = _combined_parts(op_name)
+    directions = [_direction(part) for part in combined]
+    backward = directions.count("backward")
+    # A combined op goes the way most of its parts go (a tie the way the first goes), and is named
+    # after the first of those.
+    direction = (
+        "backward"
+        if 2 * backward > len(combined) or (2 * backward == len(combined) and directions[0] == "backward")
+        else "forward"
+    )
+    named = combined[directions.index(direction)]
+    body = re.sub(r"^jit\([^()]*\)/", "", named)
     while _WRAPPER.search(body):
         body = _WRAPPER.sub(r"\1", body)
     parts = [p.strip("()") for p in body.split("/")]
@@ -44,6 +55,24 @@ def source_op(op_name: str) -> tuple[str, str]:
     if len(combined) > 1:
         op += f" (+{len(combined) - 1} combined)"
     return op, direction
+
+
+def _combined_parts(op_name: str) -> list[str]:
+    """The op_names of the collectives XLA combined into one: it writes their common prefix once,
+    then the rest of each, joined by ":" in parentheses (``p/(a:b)`` is ``p/a`` and ``p/b``)."""
+    if ":" not in op_name:
+        return [op_name]
+    start = op_name.find("/(")
+    if start >= 0 and op_name.endswith(")") and ":" in op_name[start:]:
+        prefix = op_name[: start + 1]
+        return [prefix + part for part in op_name[start + 2 : -1].split(":")]
+    return op_name.split(":")
+
+
+def _direction(op_name: str) -> str:
+    """``"backward"`` for an op of the transposed program or of the gradients' reduction."""
+    scope = re.search(rf"(^|[/(]){GRADIENT_REDUCTION_SCOPE}/", op_name)
+    return "backward" if "transpose(" in op_name or scope else "forward"
 
 
 def moved_bytes(kind: str, full_bytes: float, n: int) -> float:

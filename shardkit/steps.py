@@ -30,6 +30,8 @@ from shardkit.parallel.pipeline import pipeline_value_and_grad
 from shardkit.parallel.schedule import Schedule, make_schedule
 from shardkit.partition import path_str
 from shardkit.precision import Precision
+from shardkit.report_data import GRADIENT_REDUCTION_SCOPE
+from shardkit.rules import entry_axes
 from shardkit.sharding import ShardingPlan
 from shardkit.state import TrainState
 
@@ -154,13 +156,37 @@ def split_microbatches(batch: Batch, k: int, plan: ShardingPlan) -> dict[str, ja
     return {name: split(name, x) for name, x in batch.items()}
 
 
+def reduce_row_sums(sums: jax.Array, spec: PartitionSpec, plan: ShardingPlan, axes: tuple[str, ...]) -> jax.Array:
+    """``(n, *param)`` per-device gradient parts, split over the row ``axes`` -> their sum, placed
+    as ``spec``: first over the row axes that split the parameter (a reduce-scatter onto its
+    shards), then over the rest (an all-reduce of the shard). The bytes of data parallelism
+    plus ZeRO-3, not an all-reduce of the whole over every axis."""
+    mesh = plan.mesh
+    used = {a for entry in spec for a in entry_axes(entry)}
+    first = [i for i, a in enumerate(axes) if a in used]
+    rest = [i for i, a in enumerate(axes) if a not in used]
+    per_axis = sums.reshape(*(mesh.shape[a] for a in axes), *sums.shape[1:])
+    partial = per_axis.sum(tuple(first)) if first else per_axis
+    kept = tuple(axes[i] for i in rest)
+    inner = tuple(spec) + (None,) * (sums.ndim - 1 - len(spec))
+    partial = plan.constrain(partial, NamedSharding(mesh, PartitionSpec(*kept, *inner)))
+    return plan.constrain(partial.sum(tuple(range(len(rest)))), NamedSharding(mesh, spec))
+
+
 def pipelined_grads(
-    model: Model, loss: LossFn, precision: Precision, schedule: Schedule, plan: ShardingPlan
+    model: Model,
+    loss: LossFn,
+    precision: Precision,
+    schedule: Schedule,
+    plan: ShardingPlan,
+    row_axes: tuple[str, ...] = (),
 ) -> GradsFn:
     """Mean loss and gradients over the microbatches, the layers pipelined over ``stage``.
 
     Microbatch ``i`` draws dropout bits from ``fold_in(key, i)``, as gradient accumulation
-    does, so a pipelined step equals an accumulated one bit for bit in what it draws.
+    does, so a pipelined step equals an accumulated one bit for bit in what it draws. With
+    ``row_axes`` the gradients are reduced over those axes once, after the schedule, not in
+    every backward slot (the stages' dropout must be :func:`shardkit.dropout.dropout`'s).
     """
     stages = model.stages
     assert stages is not None, "the trainer checks that the model has stages"
@@ -199,10 +225,20 @@ def pipelined_grads(
 
         first = {k: v[0] for k, v in micro.items() if k != _KEY}
         boundary = jax.eval_shape(entering, params, first)
+        rows = {name: name != _KEY for name in micro}
         value, count, g_layers, g_shared = pipeline_value_and_grad(
-            stage_loss, layer_params, shared, micro, boundary, schedule, plan.mesh
+            stage_loss, layer_params, shared, micro, boundary, schedule, plan.mesh, row_axes=row_axes, micro_rows=rows
         )
-        return value, count, {**g_shared, stages.layers: g_layers}
+        grads = {**g_shared, stages.layers: g_layers}
+        if row_axes:
+            with jax.named_scope(GRADIENT_REDUCTION_SCOPE):  # the report counts it as backward traffic
+                grads = jax.tree.map(
+                    lambda g, spec: reduce_row_sums(g, spec, plan, row_axes),
+                    grads,
+                    plan.param_specs,
+                    is_leaf=lambda x: isinstance(x, PartitionSpec),
+                )
+        return value, count, grads
 
     return grads
 

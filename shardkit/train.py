@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardkit.accumulation import Accumulation, choose
+from shardkit.accumulation import choose
 from shardkit.errors import InputError, LayoutError, ModelError, short_repr
 from shardkit.inputs import check_host_batch, vocab_size
 from shardkit.losses import LossFn, cross_entropy, like, mse_loss, next_token_loss
@@ -39,7 +39,6 @@ from shardkit.steps import (
     make_eval,
     make_step,
     pipeline_schedule,
-    pipelined_grads,
 )
 
 __all__ = [
@@ -100,11 +99,11 @@ class Trainer:
         the optimizer state (and master weights) over it, 2 the gradients too (reduce-scattered,
         not all-reduced); 0 is off. ZeRO-3 is the layout's ``fsdp`` axis.
       reduce_gradients: with ``microbatches > 1``, when the devices reduce the gradients:
-        ``"once"`` per step after the loop (each device sums its own rows' gradients first),
-        ``"per_microbatch"`` inside the loop, or ``"auto"`` (default): once where that costs no
-        memory (no batch axis splits the parameters) and the model allows it, per microbatch
-        otherwise. ``trainer.accumulation`` says which was used, and why (see
-        :mod:`shardkit.accumulation`).
+        ``"once"`` per step after the loop or the pipeline's schedule (each device sums its own
+        rows' gradients first), ``"per_microbatch"`` inside the loop (in each backward slot), or
+        ``"auto"`` (default): once where that costs no memory (no batch axis splits the
+        parameters) and the model allows it, per microbatch otherwise. ``trainer.accumulation``
+        says which was used, and why (see :mod:`shardkit.accumulation`).
 
     Example:
       >>> import optax, shardkit as sk
@@ -188,16 +187,10 @@ class Trainer:
         self.update_specs = self.plan.update_specs
         self.fallbacks = list(self.plan.fallbacks)
         self.vocab = vocab_size(self.abstract_params, model.axes)
-        self.accumulation: Accumulation | None = None
-        if self.schedule is not None and reduce_gradients == "once":
-            raise LayoutError(
-                f"reduce_gradients='once' with layout {self.layout.spec()}: the pipeline reduces each "
-                "microbatch's gradients in its backward slots. Fix: use reduce_gradients='auto', or drop stage."
-            )
-        if self.schedule is not None:
-            grads = pipelined_grads(model, loss, self.precision, self.schedule, self.plan)
-        else:
-            grads, self.accumulation = choose(model, loss, self.precision, microbatches, self.plan, reduce_gradients)
+        microbatches = self.schedule.microbatches if self.schedule is not None else microbatches
+        grads, self.accumulation = choose(
+            model, loss, self.precision, microbatches, self.plan, reduce_gradients, self.schedule
+        )
         grads_to = None
         if zero >= 2:
             grad_shardings = named(self.plan.grad_specs, self.mesh)

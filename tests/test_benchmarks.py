@@ -109,11 +109,12 @@ def test_accumulation_benchmark_small(tmp_path):
     )
     result = json.loads((tmp_path / "a.json").read_text())
     rows = {(r["layout"], r["reduce"]): r for r in result["rows"]}
-    for layout in ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2"):
+    for layout in ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "stage=2,data=4"):
         once, each = rows[layout, "once"], rows[layout, "per_microbatch"]
         assert abs(once["gradient_MB"] - once["bound_MB"]) <= 0.01 * once["bound_MB"]
         assert each["gradient_MB"] >= 0.95 * result["microbatches"] * once["gradient_MB"]
-    assert result["speed"]["ratio_once"] > 0 and "ratio" in out
+    assert [s["layout"] for s in result["speeds"]] == ["data=8", "stage=2,data=4"]
+    assert all(s["ratio_once"] > 0 for s in result["speeds"]) and "ratio" in out
 
 
 @pytest.mark.slow

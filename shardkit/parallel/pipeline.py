@@ -16,6 +16,12 @@ The backward slot recomputes the stage's forward from the stashed stage input (`
 a stage keeps only the inputs of its microbatches in flight (``Schedule.stash`` of them) plus
 one microbatch's intermediate activations; gradients accumulate in float32 as they come.
 
+Reducing once (``row_axes``): GSPMD reduces each backward slot's gradients over the devices that
+split the rows, ``m`` times a step. With ``row_axes`` the backward slot is vmapped over those
+devices' blocks of rows (``spmd_axis_name=row_axes``, as ``shardkit.accumulation`` does for a
+plain step), so its gradients come out per device, ``(n, *param)``, and are summed unreduced; the
+caller reduces them once, after the schedule.
+
 Interleaved stages (``Schedule.virtual_stages = v``): a device runs ``v`` chunks of layers, the
 ring wraps round (the last device feeds the first device's next chunk), and the layer stack,
 stored in layer order, is regrouped by device on the way in (its gradients on the way out).
@@ -23,15 +29,17 @@ stored in layer order, is regrouped by device on the way in (its gradients on th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit.errors import PipelineError
 from shardkit.parallel.schedule import Phase, Schedule
+from shardkit.partition import axes_taken
 
 # (layer_params, shared_params, x_in, microbatch, virtual stage, index) -> (x_out, loss, count)
 StageLoss = Callable[[Any, Any, jax.Array, Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
@@ -46,6 +54,8 @@ def pipeline_value_and_grad(
     schedule: Schedule,
     mesh: Mesh,
     axis: str = "stage",
+    row_axes: tuple[str, ...] = (),
+    micro_rows: Any = None,
 ) -> tuple[jax.Array, jax.Array, Any, Any]:
     """Mean loss over microbatches and its gradients, computed by a pipeline over ``axis``.
 
@@ -65,10 +75,18 @@ def pipeline_value_and_grad(
       schedule: the table to run (``schedule.stages`` must equal the size of ``axis``).
       mesh: the device mesh.
       axis: the mesh axis of the stages.
+      row_axes: reduce once: the mesh axes that split the rows of ``micro`` and of the boundary
+        activation (``n`` devices). Each backward slot then runs per device block of rows, and
+        the gradients come back unreduced, with a leading ``n`` dimension split over
+        ``row_axes``: their sum over it is the gradient. The loss must be a mean over rows.
+      micro_rows: with ``row_axes``, a tree like ``micro`` of bools: whether a leaf has rows
+        (after the microbatch dimension) or is the same for every row (a key, say). Default:
+        every leaf has rows.
 
     Returns:
       ``(mean loss, total count, gradients of layer_params, gradients of shared_params)``,
-      gradients in float32, of the mean loss over the ``m`` microbatches.
+      gradients in float32, of the mean loss over the ``m`` microbatches (with ``row_axes``:
+      ``(n, ...)`` per-device parts to sum).
 
     Example:
       >>> import jax, jax.numpy as jnp, shardkit as sk
@@ -87,6 +105,18 @@ def pipeline_value_and_grad(
     if dict(mesh.shape).get(axis) != p:
         raise PipelineError(f"schedule for {p} stages on a mesh whose {axis!r} axis has {dict(mesh.shape).get(axis)}")
     slots = schedule.stash
+    n = math.prod(mesh.shape[a] for a in row_axes)
+    if micro_rows is None:
+        micro_rows = jax.tree.map(lambda _: True, micro)
+    block_axes = jax.tree.map(lambda rows: 0 if rows else None, micro_rows)
+
+    def pin_rows(x: jax.Array) -> jax.Array:
+        """``x`` with its leading dimension split over ``row_axes`` (the rest left to XLA)."""
+        spec = PartitionSpec(row_axes, *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
+
+    def blocks(x: jax.Array) -> jax.Array:  # (rows, ...) -> (n, rows/n, ...): each device's own
+        return pin_rows(x.reshape(n, x.shape[0] // n, *x.shape[1:]))
 
     def island(layers: Any, shared: Any, micro: Any) -> tuple[jax.Array, jax.Array, Any, Any]:
         device = jax.lax.axis_index(axis)
@@ -124,26 +154,44 @@ def pipeline_value_and_grad(
             x_in = jax.lax.dynamic_index_in_dim(carry["stash"], slot, keepdims=False)
             mb = take(micro, i)
 
-            def run(lp: Any, sp: Any, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
-                x_out, loss, count = stage_loss(lp, sp, x, mb, stage, i)
-                return (x_out, loss), count
+            def grads(lp: Any, sp: Any, x: jax.Array, dx_out: jax.Array, mb: Any) -> tuple[Any, ...]:
+                def run(lp: Any, sp: Any, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+                    x_out, loss, count = stage_loss(lp, sp, x, mb, stage, i)
+                    return (x_out, loss), count
 
-            (_, loss), vjp, count = jax.vjp(run, chunk_layers, shared, x_in, has_aux=True)
-            seed = jax.lax.pcast(jnp.asarray(1.0 / m, loss.dtype), (axis,), to="varying")
-            g_layers, g_shared, dx = vjp((carry["dx_recv"], seed))
+                (_, loss), vjp, count = jax.vjp(run, lp, sp, x, has_aux=True)
+                # The microbatch's mean loss is the mean of its n blocks' mean losses.
+                seed = jax.lax.pcast(jnp.asarray(1.0 / (m * n), loss.dtype), (axis,), to="varying")
+                return (*vjp((dx_out, seed)), loss, count)
+
+            if row_axes:
+                per_block = jax.vmap(grads, in_axes=(None, None, 0, 0, block_axes), spmd_axis_name=row_axes)
+                blocked = jax.tree.map(lambda a, rows: blocks(a) if rows else a, mb, micro_rows)
+                with axes_taken(row_axes):
+                    g_layers, g_shared, dx, loss, count = per_block(
+                        chunk_layers, shared, blocks(x_in), blocks(carry["dx_recv"]), blocked
+                    )
+                dx, loss, count = dx.reshape(boundary.shape), loss.mean(), count.sum()
+            else:
+                g_layers, g_shared, dx, loss, count = grads(chunk_layers, shared, x_in, carry["dx_recv"], mb)
+                g_layers, g_shared = jax.tree.map(lambda g: g[None], (g_layers, g_shared))
 
             def add(acc: Any, g: Any) -> Any:
                 return keep_if(valid, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g), acc)
 
-            def add_chunk(acc: jax.Array, g: jax.Array) -> jax.Array:
-                now = jax.lax.dynamic_index_in_dim(acc, stage // p, keepdims=False)
-                new = jax.lax.dynamic_update_index_in_dim(acc, now + g.astype(jnp.float32), stage // p, 0)
+            def add_chunk(acc: jax.Array, g: jax.Array) -> jax.Array:  # acc (n, v, ...), g (n, ...)
+                now = jax.lax.dynamic_index_in_dim(acc, stage // p, axis=1, keepdims=False)
+                new = jax.lax.dynamic_update_index_in_dim(acc, now + g.astype(jnp.float32), stage // p, 1)
                 return jnp.where(valid, new, acc)
 
             last = valid & (stage == v * p - 1)
+            g_layers = jax.tree.map(add_chunk, carry["g_layers"], g_layers)
+            g_shared = add(carry["g_shared"], g_shared)
+            if row_axes:
+                g_layers, g_shared = jax.tree.map(pin_rows, (g_layers, g_shared))
             return carry | {
-                "g_layers": jax.tree.map(add_chunk, carry["g_layers"], g_layers),
-                "g_shared": add(carry["g_shared"], g_shared),
+                "g_layers": g_layers,
+                "g_shared": g_shared,
                 "loss": carry["loss"] + jnp.where(valid, loss.astype(jnp.float32), 0.0),
                 "count": carry["count"] + jnp.where(last, count, 0).astype(jnp.int32),
                 "dx_recv": jax.lax.ppermute(dx, axis, up),
@@ -161,7 +209,8 @@ def pipeline_value_and_grad(
             rows = (jnp.asarray(phase.forward, jnp.int32), jnp.asarray(phase.backward, jnp.int32))
             return jax.lax.scan(tick, carry, rows)[0]
 
-        zeros_f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+        # Gradient sums carry a leading dimension of one per device block of rows (1 without row_axes).
+        zeros_f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros((n, *a.shape), jnp.float32), tree)
         carry = {
             "x_recv": jnp.zeros(boundary.shape, boundary.dtype),
             "dx_recv": jnp.zeros(boundary.shape, boundary.dtype),
@@ -177,7 +226,7 @@ def pipeline_value_and_grad(
             carry = run_phase(carry, phase)
         loss = jax.lax.psum(carry["loss"], axis) / m
         count = jax.lax.psum(carry["count"], axis)
-        g_layers = jax.tree.map(lambda g: g[:, None], carry["g_layers"])  # (v, 1, L/(v p), ...)
+        g_layers = jax.tree.map(lambda g: g[:, :, None], carry["g_layers"])  # (n, v, 1, L/(v p), ...)
         return loss, count, g_layers, jax.lax.psum(carry["g_shared"], axis)
 
     # (L, ...) -> (v, p, L/(v p), ...): chunk c of device s is virtual stage c p + s, layers in order.
@@ -191,9 +240,19 @@ def pipeline_value_and_grad(
         island,
         mesh=mesh,
         in_specs=(stage_spec, everywhere(shared_params), everywhere(micro)),
-        out_specs=(PartitionSpec(), PartitionSpec(), stage_spec, everywhere(shared_params)),
+        out_specs=(
+            PartitionSpec(),
+            PartitionSpec(),
+            jax.tree.map(lambda _: PartitionSpec(None, None, axis), chunked),
+            everywhere(shared_params),
+        ),
         axis_names={axis},
+        # A vmap with spmd_axis_name inside a shard_map marks its axes as varying manual axes,
+        # which row_axes (automatic here) are not: their typing is not checked then.
+        check_vma=not row_axes,
     )
     loss, count, g_layers, g_shared = run(chunked, shared_params, micro)
-    g_layers = jax.tree.map(lambda g, a: g.reshape(a.shape), g_layers, layer_params)
+    g_layers = jax.tree.map(lambda g, a: g.reshape(n, *a.shape), g_layers, layer_params)
+    if not row_axes:  # GSPMD reduced each slot's gradients: one part
+        g_layers, g_shared = jax.tree.map(lambda g: g[0], (g_layers, g_shared))
     return loss, count, g_layers, g_shared
