@@ -150,7 +150,8 @@ def choose(
     """The gradient strategy for ``microbatches`` per step, and how it reduces.
 
     With a pipeline ``schedule`` the microbatches are the schedule's, and reducing once happens
-    after the schedule instead of in every backward slot.
+    after the schedule instead of in every backward slot (with one microbatch too: each stage's
+    backward slot would reduce the shared parameters' gradients, in lock step, on every stage).
 
     Raises:
       InputError: ``reduce`` is not one of ``REDUCE_GRADIENTS``.
@@ -173,7 +174,7 @@ def choose(
             else accumulated_grads(plain, microbatches, plan)
         )
 
-    if microbatches == 1:  # no loop: the step's one gradient is reduced once
+    if microbatches == 1 and schedule is None:  # no loop: the step's one gradient is reduced once
         return reducing(()), Accumulation(reduce, "once")
     info = Accumulation(reduce)
     axes = _row_axes(plan)
