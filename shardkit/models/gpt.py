@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -205,6 +206,38 @@ def gathered_along_seq(x: jax.Array) -> jax.Array:
     return constrain_to(x, jax.sharding.PartitionSpec(spec[0], *rest))
 
 
+def unsplit(*names: str) -> bool:
+    """Whether no logical name in ``names`` splits over devices in the sharding context in force
+    (true outside any, and for axes a row vmap has taken)."""
+    context = current_rules()
+    if context is None:
+        return True
+    mesh, rules = context
+    sizes, known = free_mesh_shape(mesh), dict(rules.rules)
+    return all(sizes.get(axis, 1) == 1 for name in names for axis in known.get(name, ()))
+
+
+def token_matmul(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
+    """``x (B, T, *c) @ w (*c, *out) -> (B, T, *out)`` as one 2-D matmul ``(B T, prod c) @ (prod c, prod out)``.
+
+    The same product as the einsum; XLA's CPU matmuls run a 2-D product with one free dimension
+    per side about 1.8x faster forward and backward than the multi-dimensional einsum (whose
+    weight gradient contracts two token dimensions and transposes its operands). Merging the
+    dimensions is free only when none of them is split over devices: callers check that first
+    (:func:`unsplit`), and keep the einsum otherwise.
+
+    Example:
+      >>> x, w = jnp.ones((2, 3, 4)), jnp.ones((4, 2, 5))
+      >>> token_matmul(x, w, 1).shape
+      (2, 3, 2, 5)
+    """
+    b, t = x.shape[:2]
+    inner = x.shape[2:]
+    outer = w.shape[contract:]
+    flat = x.reshape(b * t, -1) @ w.reshape(math.prod(inner), -1)
+    return flat.reshape(b, t, *outer)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, param_dtype: str, rngs: nnx.Rngs):
         self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",), param_dtype)
@@ -256,7 +289,9 @@ class Attention(nnx.Module):
         g = self.groups
         with jax.named_scope("qkv_proj"):
             x = gathered_along_seq(x)
-            qkv = jnp.einsum("btd,dngk->btngk", x, self.wqkv[...].astype(x.dtype))  # (B, T, N, G+2, K)
+            w = self.wqkv[...].astype(x.dtype)
+            flat = unsplit("seq", "kv_heads", "kv")
+            qkv = token_matmul(x, w, 1) if flat else jnp.einsum("btd,dngk->btngk", x, w)  # (B, T, N, G+2, K)
             if self.cfg.qkv_bias:
                 qkv = qkv + self.bqkv[...].astype(x.dtype)
             qkv = constrain(qkv, ("batch", "seq", "kv_heads", None, "kv"))  # heads split, not the sequence
@@ -278,7 +313,9 @@ class Attention(nnx.Module):
                 )  # (B, T, H, K)
         out = constrain(out, ("batch", "seq", "heads", "kv"))
         with jax.named_scope("out_proj"):
-            return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(x.dtype))  # (B, T, D)
+            if unsplit("seq", "heads", "kv"):
+                return token_matmul(out, self.wo[...].astype(x.dtype), 2)  # (B, T, D)
+            return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(x.dtype))
 
 
 class SwiGLU(nnx.Module):
@@ -293,12 +330,16 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         with jax.named_scope("gate_up_proj"):
             x = gathered_along_seq(x)
-            gate_up = jnp.einsum("btd,dcf->btcf", x, self.w_gate_up[...].astype(x.dtype))  # (B, T, 2, F)
+            w = self.w_gate_up[...].astype(x.dtype)
+            flat = unsplit("seq", "mlp")
+            gate_up = token_matmul(x, w, 1) if flat else jnp.einsum("btd,dcf->btcf", x, w)  # (B, T, 2, F)
             gate_up = constrain(gate_up, ("batch", "seq", None, "mlp"))
         h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # (B, T, F)
         h = constrain(h, ("batch", "seq", "mlp"))
         with jax.named_scope("down_proj"):
-            return h @ self.w_down[...].astype(x.dtype)  # (B, T, D)
+            if unsplit("seq"):
+                return token_matmul(h, self.w_down[...].astype(x.dtype), 1)  # (B, T, D)
+            return h @ self.w_down[...].astype(x.dtype)
 
 
 class Block(nnx.Module):
@@ -431,8 +472,10 @@ class GPT(nnx.Module):
         with jax.named_scope("lm_head"):
             if self.cfg.tie_embeddings:
                 logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dt))  # (B, T, V)
+            elif unsplit("seq"):
+                logits = token_matmul(x, self.lm_head[...].astype(dt), 1)  # (B, T, V)
             else:
-                logits = x @ self.lm_head[...].astype(dt)  # (B, T, V)
+                logits = x @ self.lm_head[...].astype(dt)
         return constrain(logits, ("batch", "seq", "vocab"))
 
     def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
