@@ -8,7 +8,8 @@ the same cores, alternating runs.
 The model on both sides: vocabulary 256 (bytes), d=256, 4 layers, 4 heads of 64, SwiGLU 1024,
 RMSNorm, rotary positions, untied head: 4.33M parameters; batch 16 x 128, fp32, AdamW. PyTorch
 is not a dependency of shardkit: without it (here or at ``--torch-python``) only shardkit runs.
-shardkit runs twice, with its layer stack scanned (the default) and unrolled
+shardkit runs three ways: its layer stack scanned (the default), the scan unrolled with the
+parameters still stacked (``GPTConfig(scan_unroll=True)``), and the layers unrolled
 (``GPTConfig(scan_layers=False)``). Each run is its own process; the best of ``--rounds`` counts.
 """
 
@@ -22,7 +23,15 @@ import time
 DIM, LAYERS, HEADS, MLP, VOCAB, SEQ, BATCH = 256, 4, 4, 1024, 256, 128, 16
 
 
-def shardkit_worker(steps: int, unrolled: bool) -> dict:
+# Worker name -> the GPTConfig fields of that form of the layer stack.
+SHARDKIT_FORMS = {
+    "shardkit": {},
+    "shardkit-scan-unroll": {"scan_unroll": True},
+    "shardkit-unrolled": {"scan_layers": False},
+}
+
+
+def shardkit_worker(steps: int, form: dict) -> dict:
     import jax
     import numpy as np
     import optax
@@ -38,7 +47,7 @@ def shardkit_worker(steps: int, unrolled: bool) -> dict:
         n_kv_heads=HEADS,
         mlp_dim=MLP,
         max_seq=SEQ,
-        scan_layers=not unrolled,
+        **form,
     )
     trainer = sk.Trainer(cfg.model(), optax.adamw(1e-3), "data=2")
     data = sk.TextDataset.builtin()
@@ -175,17 +184,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--torch-python", default=sys.executable, help="an interpreter with PyTorch installed")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--worker", choices=("shardkit", "shardkit-unrolled", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=(*SHARDKIT_FORMS, "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         result = (
             torch_worker(args.steps)
             if args.worker == "torch"
-            else shardkit_worker(args.steps, "unrolled" in args.worker)
+            else shardkit_worker(args.steps, SHARDKIT_FORMS[args.worker])
         )
         print(json.dumps(result))
         return
-    runners = {"shardkit": sys.executable, "shardkit-unrolled": sys.executable}
+    runners = dict.fromkeys(SHARDKIT_FORMS, sys.executable)
     if torch_available(args.torch_python):
         runners["torch"] = args.torch_python
     else:

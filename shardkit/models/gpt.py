@@ -85,6 +85,9 @@ class GPTConfig:
     dtype: str | None = None  # compute dtype; None: that of the parameters it is given
     param_dtype: str = "float32"
     scan_layers: bool = True  # one compiled layer body, scanned L times
+    # Layers per iteration of that scan (True: all of them): the speed of unrolled layers, with the
+    # parameters still stacked (pipelines, checkpoints); compile time grows with it.
+    scan_unroll: int | bool = 1
     remat: str = "none"  # per-layer rematerialisation: see REMAT_POLICIES
     attention: str | None = None  # jax.nn.dot_product_attention implementation: None (auto), "xla", "cudnn"
     n_experts: int = 0  # > 0: every MLP is a mixture of this many experts (shardkit.parallel.experts)
@@ -109,6 +112,11 @@ class GPTConfig:
             raise ModelError(
                 f"GPTConfig: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
                 "(each kv head serves a whole group of query heads)."
+            )
+        if not isinstance(self.scan_unroll, (bool, int)) or self.scan_unroll is False or self.scan_unroll < 1:
+            raise ModelError(
+                f"GPTConfig: scan_unroll={self.scan_unroll!r}: give a positive number of layers per scan "
+                "iteration, or True to unroll them all."
             )
         if self.remat not in REMAT_POLICIES:
             raise ModelError(f"GPTConfig: remat={self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}.")
@@ -448,6 +456,7 @@ class GPT(nnx.Module):
                 keys = jax.lax.dynamic_slice_in_dim(keys, first_layer, held)
 
             @nnx.scan(
+                unroll=cfg.scan_unroll,
                 in_axes=(nnx.Carry, 0, 0 if keys is not None else None),
                 out_axes=(nnx.Carry, 0),
                 transform_metadata={nnx.PARTITION_NAME: "layers"},
