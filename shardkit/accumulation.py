@@ -160,6 +160,8 @@ def choose(
     """
     if reduce not in REDUCE_GRADIENTS:
         raise InputError(f"reduce_gradients={reduce!r}: choose one of {', '.join(REDUCE_GRADIENTS)}.")
+    if schedule is not None:
+        microbatches = schedule.microbatches
 
     def reducing(axes: tuple[str, ...]) -> GradsFn:
         """Gradients reduced once over ``axes``, or per microbatch when ``axes`` is empty."""

@@ -44,7 +44,7 @@ class CompiledStep(Protocol):
     rules: Rules
     precision: Precision
     microbatches: int
-    accumulation: Any  # how microbatches' gradients are reduced (shardkit.accumulation.Accumulation), or None
+    accumulation: Any  # how microbatches' gradients are reduced (shardkit.accumulation.Accumulation)
     param_specs: Any
     update_specs: Any  # where the optimizer's copies live (param_specs, plus data under ZeRO)
     state_shardings: Any
@@ -284,7 +284,7 @@ def _compiled(trainer: CompiledStep, batch: dict[str, Any], params: Any) -> tupl
 def _gradient_reduction(trainer: CompiledStep) -> str:
     """``"once"``, ``"per_microbatch: <why>"``, or "" without microbatches."""
     acc = trainer.accumulation
-    if trainer.microbatches == 1 or acc is None or acc.reduces is None:
+    if trainer.microbatches == 1 or acc.reduces is None:
         return ""
     return acc.reduces + (f": {acc.reason}" if acc.reason else "")
 

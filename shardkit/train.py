@@ -187,7 +187,6 @@ class Trainer:
         self.update_specs = self.plan.update_specs
         self.fallbacks = list(self.plan.fallbacks)
         self.vocab = vocab_size(self.abstract_params, model.axes)
-        microbatches = self.schedule.microbatches if self.schedule is not None else microbatches
         grads, self.accumulation = choose(
             model, loss, self.precision, microbatches, self.plan, reduce_gradients, self.schedule
         )
