@@ -7,23 +7,56 @@ still says bf16. :func:`dump_options` asks XLA to write that module during a com
 7 MB of files for a small model, in a directory the caller deletes), :func:`read` finds it, and
 :func:`at_partitioner_dtypes` counts each compiled collective's elements at the size the
 partitioner gave them.
+
+JAX's persistent compilation cache (``jax_compilation_cache_dir``, which many users set) leaves
+the dump options out of its key: a program compiled before is loaded from the cache, nothing is
+compiled and nothing is dumped. The dump compile therefore also sets a debug option that is in
+the key and changes nothing but dumps (:data:`CACHE_MISS`), and runs under :func:`uncached`, so
+it is neither read from nor written to that cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+
+import jax
 
 from shardkit import hlo
 
 _PASS = "spmd-partitioning"
 
+# In the persistent cache's key (unlike the xla_dump_to family) and about dumps only, so a
+# compile that carries it never matches an entry written by an ordinary compile.
+CACHE_MISS = {"xla_dump_large_constants": True}
+
 
 def dump_options(directory: str | pathlib.Path) -> dict[str, str | bool]:
     """Compiler options that write the module after SPMD partitioning into ``directory``."""
-    return {"xla_dump_to": str(directory), "xla_dump_hlo_pass_re": _PASS, "xla_dump_hlo_as_text": True}
+    return {"xla_dump_to": str(directory), "xla_dump_hlo_pass_re": _PASS, "xla_dump_hlo_as_text": True, **CACHE_MISS}
+
+
+@contextlib.contextmanager
+def uncached() -> Iterator[None]:
+    """Within this context, compiles are not written to JAX's persistent compilation cache.
+
+    A dump compile's entry would be found by the next dump compile of the same program, which
+    would then load it and write no dump. JAX writes only compiles that took at least
+    ``jax_persistent_cache_min_compile_time_secs``; this raises that threshold out of reach
+    (a process-wide setting: another thread compiling meanwhile is not cached either).
+    """
+    if not jax.config.jax_compilation_cache_dir:
+        yield
+        return
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 def read(directory: str | pathlib.Path) -> str | None:

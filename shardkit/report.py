@@ -276,7 +276,7 @@ def _compiled(trainer: CompiledStep, batch: dict[str, Any], params: Any) -> tupl
     )
     if trainer.mesh.devices.flat[0].platform != "cpu" or not bf16:
         return trainer.compile(batch), None
-    with tempfile.TemporaryDirectory(prefix="shardkit-partitioned-") as directory:
+    with tempfile.TemporaryDirectory(prefix="shardkit-partitioned-") as directory, partitioned.uncached():
         compiled = trainer.lower(batch).compile(compiler_options=partitioned.dump_options(directory))
         return compiled, partitioned.read(directory)
 

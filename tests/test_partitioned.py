@@ -1,6 +1,10 @@
 """bf16 collectives counted at the dtype XLA's SPMD partitioner chose: the CPU compiler runs them
 in f32 (all-reduce promotion, bf16 normalization), a GPU does not."""
 
+import json
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -71,3 +75,45 @@ def test_partitioned_module_sizes_override_only_smaller_dtypes():
         c.kind: c.payload_bytes for c in partitioned.at_partitioner_dtypes(hlo.collectives(compiled), partitioned_text)
     }
     assert counted == {"all-reduce": 64 * 32 * 2, "all-gather": 16 * 4}
+
+
+CACHED_REPORTS = """
+import json, os, sys
+import shardkit as sk
+sk.simulate_devices(8)
+import jax, jax.numpy as jnp, optax
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+shape = {"tokens": jax.ShapeDtypeStruct((16, 33), jnp.int32)}
+def trainer():
+    model = sk.models.GPTConfig.preset("tiny").model()
+    return sk.Trainer(model, optax.adamw(1e-3), "data=8", precision="bf16-master")
+trainer().compile(shape)  # the step is now in the persistent cache
+before = len(os.listdir(sys.argv[1]))
+reports = [trainer().report(shape) for _ in range(2)]  # fresh trainers: no in-memory executable
+print(json.dumps({
+    "entries": [before, len(os.listdir(sys.argv[1]))],
+    "partitioner": [r.partitioner_dtypes for r in reports],
+    "moved": [r.moved_bytes for r in reports],
+}))
+"""
+
+
+def test_a_persistent_compilation_cache_does_not_hide_the_partitioned_module(tmp_path):
+    # JAX's persistent cache leaves dump options out of its key: a report whose dump compile
+    # loaded the cached step would find no partitioned module and count the CPU's f32 bytes.
+    # The cache is process-wide (JAX decides once whether it is in use): its own process.
+    proc = subprocess.run(
+        [sys.executable, "-c", CACHED_REPORTS, str(tmp_path / "cache")], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    before, after = result["entries"]
+    assert before >= 1, "the persistent cache was not in use"
+    assert after == before, "the reports' dump compiles were written to the persistent cache"
+    assert result["partitioner"] == [True, True]
+    # The same bytes as a report in this process, compiled independently of that cache.
+    trainer = sk.Trainer(
+        sk.models.GPTConfig.preset("tiny").model(), optax.adamw(1e-3), "data=8", precision="bf16-master"
+    )
+    assert result["moved"] == [trainer.report(SHAPE).moved_bytes] * 2
