@@ -48,10 +48,10 @@ def uncached() -> Iterator[None]:
     ``jax_persistent_cache_min_compile_time_secs``; this raises that threshold out of reach
     (a process-wide setting: another thread compiling meanwhile is not cached either).
     """
-    if not jax.config.read("jax_compilation_cache_dir"):
+    if not jax.config.jax_compilation_cache_dir:  # type: ignore[attr-defined]  # JAX registers its flags at run time
         yield
         return
-    before = jax.config.read("jax_persistent_cache_min_compile_time_secs")
+    before = jax.config.jax_persistent_cache_min_compile_time_secs  # type: ignore[attr-defined]
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
     try:
         yield
