@@ -7,6 +7,7 @@ constrains its activations).
 
     python benchmarks/any_model.py                   # dim 256, 4 layers, batch 16 x 128
     python benchmarks/any_model.py --dim 64 --layers 2 --seq 32 --json benchmarks/results/any_model.json
+    python benchmarks/any_model.py --layers 8 --remat   # each layer recomputed (nnx.remat / nn.remat)
 """
 
 import argparse
@@ -63,9 +64,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--remat", action="store_true", help="the models recompute each layer in the backward pass")
     parser.add_argument("--json", default="benchmarks/results/any_model.json")
     args = parser.parse_args()
-    cfg = LMConfig(dim=args.dim, mlp=4 * args.dim, heads=8, kv_heads=2, head_dim=args.dim // 8, layers=args.layers)
+    cfg = LMConfig(
+        dim=args.dim,
+        mlp=4 * args.dim,
+        heads=8,
+        kv_heads=2,
+        head_dim=args.dim // 8,
+        layers=args.layers,
+        remat=args.remat,
+    )
     batch = {"tokens": jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)}
     rows = []
     for name, make in models(cfg, args.seq).items():

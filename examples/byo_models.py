@@ -24,6 +24,7 @@ class LMConfig:
     head_dim: int = 16
     mlp: int = 256
     layers: int = 2
+    remat: bool = False  # recompute each layer in the backward pass (nnx.remat, nn.remat)
 
 
 def causal_attention(q, k, v):
@@ -119,6 +120,7 @@ class GemmaLM(nnx.Module):
             rngs=rngs,
         )
         self.layers = nnx.List([GemmaBlock(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        self.remat = cfg.remat
         self.final_norm = nnx.RMSNorm(
             cfg.dim, scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("embed",)), rngs=rngs
         )
@@ -126,8 +128,9 @@ class GemmaLM(nnx.Module):
     def __call__(self, tokens):
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x = self.embed(tokens) * jnp.sqrt(self.embed.features).astype(jnp.float32)
+        block = nnx.remat(lambda layer, x: layer(x, positions)) if self.remat else lambda layer, x: layer(x, positions)
         for layer in self.layers:
-            x = layer(x, positions)
+            x = block(layer, x)
         return self.embed.attend(self.final_norm(x))  # tied embedding
 
 
@@ -220,8 +223,9 @@ class LinenLM(nn.Module):
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
         )
         x = embed(tokens)
+        block = nn.remat(LinenBlock) if cfg.remat else LinenBlock
         for i in range(cfg.layers):
-            x = LinenBlock(cfg, name=f"block_{i}")(x, positions)
+            x = block(cfg, name=f"block_{i}")(x, positions)
         x = nn.RMSNorm(scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)))(x)
         return nn.Dense(
             cfg.vocab,

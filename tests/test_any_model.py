@@ -3,6 +3,8 @@ losses equal one device's, the compiled step gathers weights and reduce-scatters
 under FSDP without reducing activations over fsdp, bytes at the layout's bound, temporary
 memory near data parallelism's."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -395,3 +397,23 @@ def test_errors_about_a_model_print_short_reprs():
         messages.append(str(err.value))
     assert len(repr(model)) > 1000 and all(len(m) < 600 for m in messages), [len(m) for m in messages]
     assert all(repr(model)[:300] not in m for m in messages)
+
+
+def test_a_model_that_recomputes_its_layers_is_gathered_again_in_the_backward_pass():
+    # The memory policy is the model's: with nnx.remat around each block, FSDP gathers each
+    # layer's weights again for its backward pass (the bound counts both gathers; kept weights
+    # would read about 0.67) and temporary memory stays within one layer of data parallelism's.
+    cfg = LMConfig(dim=64, mlp=256, layers=4, remat=True)
+    model = sk.from_nnx(lambda rngs: GemmaLM(cfg, rngs=rngs))
+    data, fsdp = (sk.Trainer(model, optax.adamw(3e-3), layout).report(BATCH) for layout in ("data=8", "fsdp=8"))
+    assert 0.95 <= fsdp.ratios["bytes"] <= 1.05, fsdp.ratios
+    trainer = sk.Trainer(model, optax.adamw(3e-3), "fsdp=8")
+    one_layer = sum(x.size * 4 for x in jax.tree.leaves(trainer.abstract_params["layers"][0]))
+    assert fsdp.memory.temp <= data.memory.temp + one_layer, (fsdp.memory.temp, data.memory.temp)
+    assert fsdp.flops_per_device > 1.2 * flops_without_remat(cfg), "each layer's forward runs twice"
+
+
+def flops_without_remat(cfg):
+    """FLOPs per device of the same model without recomputation, under fsdp=8."""
+    plain = sk.from_nnx(lambda rngs: GemmaLM(dataclasses.replace(cfg, remat=False), rngs=rngs))
+    return sk.Trainer(plain, optax.adamw(3e-3), "fsdp=8").report(BATCH).flops_per_device
