@@ -275,9 +275,6 @@ def test_the_planner_shows_k_of_n_and_ctrl_c_prints_the_partial_table(tmp_path):
     cmd = [sys.executable, "-m", "shardkit.cli", "plan", "--model", "llama2-7b", "--devices", "64"]
     cmd += ["--hardware", "h100", "--batch", "256", "--seq", "4096", "--workers", "2"]
     env = {**os.environ, "SHARDKIT_CACHE": str(tmp_path)}
-    # Without the session's persistent compilation cache (conftest.py): loading programs that
-    # other tests compiled, the planner could finish before the interrupt it is here to take.
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     first = proc.stdout.readline()
     assert "layouts:" in first and "compiling the 6 fastest" in first, first
