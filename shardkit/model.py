@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+from flax import errors as flax_errors
 from flax import linen as nn
 from flax import nnx
 
@@ -119,11 +120,18 @@ class Stages:
 
 
 NNX_EXTRA_STATE = """\
-Model {name} holds variables that are not nnx.Param: {paths}.
-shardkit trains the nnx.Param variables of an NNX model and passes randomness in at each call.
-Fix: do not store nnx.Rngs in the module (take `rngs` as an argument of __call__ and pass it to
-nnx.Dropout(...)(x, rngs=rngs)); non-parameter state such as BatchNorm statistics is not
-supported yet.
+Model {name} holds variables that are neither nnx.Param nor RNG streams: {paths}.
+shardkit trains the nnx.Param variables of an NNX model and derives its RNG streams (nnx.Dropout(...,
+rngs=rngs)) from each step's key; other state, such as nnx.BatchNorm's running statistics, is not
+supported yet. Fix: normalize without running statistics (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm),
+or keep such values out of the module.
+"""
+
+LINEN_EXTRA_STATE = """\
+Model {name} reads the Linen collection(s) {collections} when applied; shardkit trains the "params"
+collection only (running statistics such as nn.BatchNorm's "batch_stats" are not supported yet).
+Fix: normalize without running statistics (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm), or give the
+module a flag that leaves them out when it is trained by shardkit.
 """
 
 
@@ -140,7 +148,12 @@ def from_nnx(
     Pass a constructor ``rngs -> module`` so that parameters are created already sharded, inside
     a jitted init (an existing module instance also works: its values are resharded from where
     they are). The module's ``__call__(inputs, rngs=None)`` gets ``nnx.Rngs(dropout=key)`` when
-    the step has a key, if it accepts ``rngs``.
+    the step has a key, if it accepts ``rngs``. RNG streams the module stores, as Flax's own
+    examples write dropout (``nnx.Dropout(0.1, rngs=rngs)``), are not training state: at each
+    call stream ``i`` is keyed ``fold_in(key, i)`` (:func:`stream_values`), so the bits depend on
+    the seed and the step, not on the layout; without a key (evaluation) the module runs as
+    ``nnx.view(module, deterministic=True)``. Other non-parameter state (``nnx.BatchNorm``'s
+    running statistics) is refused with a ``ModelError``.
 
     Shardings come from the parameters' metadata: :func:`shardkit.logical` names, or Flax's own
     ``nnx.with_partitioning`` names (mesh axes are used as such, other names resolve through
@@ -169,11 +182,18 @@ def from_nnx(
     instance = make if isinstance(make, nnx.Module) else None
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: instance if instance is not None else make(nnx.Rngs(0)))
-    graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]
+    graphdef, abstract_params, abstract_streams, rest = nnx.split(abstract, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
     label = name or type(abstract).__name__
     extra = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0]
     if extra:
         raise ModelError(NNX_EXTRA_STATE.format(name=label, paths=[path_str(p) for p, _ in extra][:5]))
+    streams = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract_streams))[0]
+    if streams and stacked_layers is not None:
+        raise ModelError(
+            f"Model {label} stores RNG streams ({path_str(streams[0][0])}), which pipeline stages cannot split. "
+            "Fix: take `rngs` as an argument of __call__ and pass it on (nnx.Dropout(...)(x, rngs=rngs)), or drop "
+            "stacked_layers and the stage axis."
+        )
     takes_rngs = "rngs" in inspect.signature(type(abstract).__call__).parameters
 
     def init(key: jax.Array) -> Params:
@@ -189,7 +209,9 @@ def from_nnx(
         return module(inputs)
 
     def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
-        module = nnx.merge(graphdef, params)
+        module = nnx.merge(graphdef, params, stream_values(streams, key)) if streams else nnx.merge(graphdef, params)
+        if streams and key is None:  # no key, no randomness: as model.eval() would
+            module = nnx.view(module, deterministic=True, raise_if_not_found=False)
         if not boundaries:
             return call(module, inputs, key)
         with batch_in_flight(inputs), nnx_boundaries(module):
@@ -198,6 +220,49 @@ def from_nnx(
     axes = _plain_dict(nnx_axes(abstract_params))
     stages = None if stacked_layers is None else _nnx_stages(graphdef, abstract, stacked_layers, label)
     return Model(init, apply, axes, label, dict(info or {}), stages)
+
+
+def stream_values(streams: Sequence[tuple[Any, Any]], key: jax.Array | None) -> dict[str, Any]:
+    """Values for an NNX module's stored RNG streams (``nnx.Dropout(..., rngs=rngs)``) at one call.
+
+    Stream ``i`` (ordered by its path, as a tuple of strings: ``("dropout1", "rngs")`` before
+    ``("dropout2", "rngs")``) gets the key ``fold_in(key, i)`` and a count of 0, so a step's
+    random bits depend on the step's key alone, as when ``rngs`` are passed in: the streams are
+    not training state, and a restarted run draws what the first one drew.
+
+    Args:
+      streams: ``(path, abstract leaf)`` pairs of the module's ``nnx.RngState`` (flattened pure dict).
+      key: the call's key, or None (no randomness; any key will do, the module is deterministic).
+
+    Returns:
+      A nested pure dict for ``nnx.merge``.
+
+    Example:
+      >>> import jax
+      >>> from flax import nnx
+      >>> abstract = nnx.eval_shape(lambda: nnx.Dropout(0.5, rngs=nnx.Rngs(0)))
+      >>> pairs = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(abstract, nnx.RngState)))[0]
+      >>> sorted(stream_values(pairs, jax.random.key(1))["rngs"])
+      ['count', 'key']
+    """
+    if key is None:
+        key = jax.random.key(0)
+    elif not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    owners = sorted({tuple(str(p.key) for p in path[:-1]) for path, _ in streams})
+    values: dict[str, Any] = {}
+    for path, leaf in streams:
+        if path[-1].key == "count":
+            value = jax.numpy.zeros(leaf.shape, leaf.dtype)
+        else:
+            value = jax.random.fold_in(key, owners.index(tuple(str(p.key) for p in path[:-1])))
+            if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                value = jax.random.key_data(value)
+        node = values
+        for part in path[:-1]:
+            node = node.setdefault(part.key, {})
+        node[path[-1].key] = value
+    return values
 
 
 def _nnx_stages(graphdef: Any, abstract: nnx.Module, layers: str, label: str) -> Stages:
@@ -273,7 +338,23 @@ def from_linen(
             return constrain_outputs(module.apply({"params": params}, inputs, rngs=rngs), (inputs,))
 
     boxed = jax.eval_shape(boxed_init, jax.random.key(0))
-    return Model(init, apply, linen_axes(boxed), name or type(module).__name__, dict(info or {}))
+    label = name or type(module).__name__
+    _refuse_linen_state(module, example_inputs, boxed, label)
+    return Model(init, apply, linen_axes(boxed), label, dict(info or {}))
+
+
+def _refuse_linen_state(module: nn.Module, example_inputs: Sequence[Any], boxed: Any, label: str) -> None:
+    """Raise ``ModelError`` if applying ``module`` with its params alone reads another collection
+    (``batch_stats``); collections it only writes (``sow`` intermediates) are harmless."""
+    key = jax.random.key(0)
+    variables = jax.eval_shape(lambda k: module.init({"params": k, "dropout": k}, *example_inputs), key)
+    others = sorted(set(variables) - {"params"})
+    if not others:
+        return
+    try:
+        jax.eval_shape(lambda p: module.apply({"params": p}, *example_inputs, rngs={"dropout": key}), boxed)
+    except (flax_errors.ScopeCollectionNotFound, flax_errors.ScopeVariableNotFoundError):
+        raise ModelError(LINEN_EXTRA_STATE.format(name=label, collections=others)) from None
 
 
 def annotate(model: Model, patterns: Sequence[RegexRule], *, override: bool = True, strict: bool = False) -> Model:

@@ -322,8 +322,9 @@ class Trainer:
         return self._compiled[key]
 
     def evaluate(self, params: Any, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        """The loss of ``params`` (a state's ``.params``) on ``batch``: no dropout, no gradients, and a
-        compiled program (once per batch shape) that holds no optimizer state.
+        """The loss of ``params`` (a state's ``.params``, or the state itself) on ``batch``: no
+        dropout, no gradients, and a compiled program (once per batch shape) that holds no
+        optimizer state.
 
         Returns:
           ``{"loss": mean loss, "tokens": tokens scored}``.
@@ -341,6 +342,8 @@ class Trainer:
             }
             with use_sharding(self.mesh, self.rules), self._mesh_context():
                 self._compiled[key] = jitted.lower(self.abstract_state().params, abstract).compile()
+        if isinstance(params, TrainState):
+            params = params.params
         loss, count = self._compiled[key](params, batch)
         return {"loss": loss, "tokens": count}
 

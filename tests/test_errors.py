@@ -3,6 +3,7 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -110,17 +111,23 @@ def test_not_a_model():
         sk.Trainer(sk.models.GPT(TINY, rngs=nnx.Rngs(0)), optax.sgd(0.1), "data=8")
 
 
-def test_nnx_model_storing_rngs():
+def test_nnx_model_storing_rngs_is_no_longer_refused():
+    """Once refused: a module keeping its nnx.Rngs now has its streams keyed from each call's key."""
+
     class Stores(nnx.Module):
         def __init__(self, rngs):
             self.w = nnx.Param(jnp.ones((4, 4)))
             self.rngs = rngs
 
         def __call__(self, x):
-            return x @ self.w[...]
+            return x @ self.w[...] + jax.random.normal(self.rngs(), x.shape)
 
-    with pytest.raises(sk.ShardkitError, match="take `rngs` as an argument"):
-        sk.from_nnx(lambda rngs: Stores(rngs))
+    model = sk.from_nnx(lambda rngs: Stores(rngs))
+    params = model.init(jax.random.key(0))
+    x = jnp.ones((2, 4))
+    a, b = (model.apply(params, x, jax.random.key(k)) for k in (1, 2))
+    assert not np.allclose(a, b)
+    np.testing.assert_array_equal(a, model.apply(params, x, jax.random.key(1)))
 
 
 def test_regex_rules_bad_cases():

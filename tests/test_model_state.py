@@ -1,0 +1,150 @@
+"""Models that hold more than parameters, written as Flax's own examples write them: NNX modules
+that store their dropout streams (``nnx.Dropout(rate, rngs=rngs)``) train under every layout
+with the bits of an independent one-device loop; running statistics (BatchNorm), which shardkit
+does not train yet, are refused with an error that names them, in NNX and in Linen."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import shardkit as sk
+from shardkit.errors import ModelError
+
+RATE, LR, STEPS = 0.3, 0.05, 3
+
+
+class TutorialMLP(nnx.Module):
+    """As Flax's NNX basics write a model: dropout streams kept in the module, no ``rngs`` in
+    ``__call__``, no sharding metadata, no shardkit calls."""
+
+    def __init__(self, rngs: nnx.Rngs, rate: float = RATE):
+        self.linear1 = nnx.Linear(16, 64, rngs=rngs)
+        self.dropout1 = nnx.Dropout(rate, rngs=rngs)
+        self.linear2 = nnx.Linear(64, 64, rngs=rngs)
+        self.dropout2 = nnx.Dropout(rate, rngs=rngs)
+        self.out = nnx.Linear(64, 1, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.dropout1(nnx.relu(self.linear1(x)))
+        return self.out(self.dropout2(nnx.relu(self.linear2(x))))
+
+
+def squared_error(forward, batch):
+    err = (forward(batch["x"])[:, 0] - batch["y"]) ** 2
+    return err.mean(), jnp.asarray(err.shape[0], jnp.int32)
+
+
+def regression_batches():
+    rng = np.random.default_rng(0)
+    return [
+        {"x": rng.normal(size=(16, 16)).astype(np.float32), "y": rng.normal(size=(16,)).astype(np.float32)}
+        for _ in range(STEPS)
+    ]
+
+
+def one_device_reference(batches, seed=0):
+    """Plain Flax NNX + optax on one device, from the documented seeds: parameters from
+    ``split(key(seed))[0]``, step ``s`` keyed ``fold_in(split(key(seed))[1], s)``, dropout stream
+    ``i`` (by path) keyed ``fold_in(step_key, i)`` with a count of 0."""
+    init_key, rng = jax.random.split(jax.random.key(seed))
+    with jax.default_device(jax.devices()[0]):
+        model = TutorialMLP(nnx.Rngs(init_key))
+        optimizer = nnx.Optimizer(model, optax.sgd(LR), wrt=nnx.Param)
+        losses = []
+        for s, batch in enumerate(batches):
+            step_key = jax.random.fold_in(rng, s)
+            for i, dropout in enumerate((model.dropout1, model.dropout2)):
+                dropout.rngs.key.set_value(jax.random.fold_in(step_key, i))
+                dropout.rngs.count.set_value(jnp.zeros((), jnp.uint32))
+
+            def loss_fn(m, batch=batch):
+                err = (m(jnp.asarray(batch["x"]))[:, 0] - batch["y"]) ** 2
+                return err.mean()
+
+            loss, grads = nnx.value_and_grad(loss_fn)(model)
+            optimizer.update(model, grads)
+            losses.append(float(loss))
+        return losses, nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+@pytest.mark.parametrize("layout", ["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2"])
+def test_stored_dropout_streams_draw_the_one_device_bits_under_every_layout(layout):
+    batches = regression_batches()
+    want_losses, want_params = one_device_reference(batches)
+    trainer = sk.Trainer(sk.from_nnx(TutorialMLP), optax.sgd(LR), layout, loss=squared_error)
+    state = trainer.init(0)
+    losses = []
+    for batch in batches:
+        state, metrics = trainer.step(state, trainer.shard_batch(batch))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    got = jax.device_get(state.params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got, want_params)
+    # Dropout is on while training (a step's loss is not the evaluation's) and off when evaluated:
+    # the same as the model built without dropout.
+    batch = trainer.shard_batch(batches[0])
+    without_dropout = sk.from_nnx(lambda rngs: TutorialMLP(rngs, rate=0.0))
+    undropped = sk.Trainer(without_dropout, optax.sgd(LR), layout, loss=squared_error)
+    evaluated = float(trainer.evaluate(state, batch)["loss"])
+    assert evaluated == pytest.approx(float(undropped.evaluate(state.params, batch)["loss"]), rel=1e-6)
+    assert abs(float(trainer.step(state, batch)[1]["loss"]) - evaluated) > 1e-3 * evaluated
+
+
+def test_each_stored_stream_draws_its_own_bits_from_the_call_key():
+    model = sk.from_nnx(TutorialMLP)
+    params = model.init(jax.random.key(0))
+    x = jnp.ones((4, 16))
+    first = model.apply(params, x, jax.random.key(1))
+    assert not np.allclose(first, model.apply(params, x, jax.random.key(2)))  # another key, other bits
+    np.testing.assert_array_equal(first, model.apply(params, x, jax.random.key(1)))  # not stateful
+    abstract = nnx.eval_shape(lambda: TutorialMLP(nnx.Rngs(0)))
+    streams = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(abstract, nnx.RngState)))[0]
+    values = sk.model.stream_values(streams, jax.random.key(1))
+    keys = [jax.random.key_data(values[f"dropout{i}"]["rngs"]["key"]) for i in (1, 2)]
+    assert not np.array_equal(keys[0], keys[1])
+
+
+class BatchNormCNN(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv = nnx.Conv(1, 8, (3, 3), rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.fc = nnx.Linear(8, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc(nnx.relu(self.bn(self.conv(x))).mean(axis=(1, 2)))
+
+
+class LinenBatchNormCNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.BatchNorm(use_running_average=False)(nn.Conv(8, (3, 3))(x))
+        return nn.Dense(10)(nn.relu(x).mean(axis=(1, 2)))
+
+
+def test_running_statistics_are_refused_with_their_names():
+    with pytest.raises(ModelError, match=r"(?s)\['bn/mean', 'bn/var'\].*nnx.LayerNorm"):
+        sk.from_nnx(BatchNormCNN)
+    with pytest.raises(ModelError, match=r"(?s)\['batch_stats'\].*nn.LayerNorm"):
+        sk.from_linen(LinenBatchNormCNN(), jnp.zeros((1, 8, 8, 1)))
+
+
+def test_a_linen_model_that_only_sows_intermediates_is_accepted():
+    class Sowing(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(8)(x)
+            self.sow("intermediates", "hidden", h)
+            return nn.Dense(1)(h)
+
+    model = sk.from_linen(Sowing(), jnp.zeros((2, 4)))
+    params = model.init(jax.random.key(0))
+    assert model.apply(params, jnp.ones((2, 4)), None).shape == (2, 1)
+
+
+def test_stored_streams_with_pipeline_stages_are_refused():
+    with pytest.raises(ModelError, match="(?s)stores RNG streams.*rngs=rngs"):
+        sk.from_nnx(TutorialMLP, stacked_layers="layers")
