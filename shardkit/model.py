@@ -142,6 +142,8 @@ def from_nnx(
     info: Mapping[str, Any] | None = None,
     stacked_layers: str | None = None,
     boundaries: bool = True,
+    train_kwargs: Mapping[str, Any] | None = None,
+    eval_kwargs: Mapping[str, Any] | None = None,
 ) -> Model:
     """Wrap a Flax NNX model.
 
@@ -151,9 +153,11 @@ def from_nnx(
     the step has a key, if it accepts ``rngs``. RNG streams the module stores, as Flax's own
     examples write dropout (``nnx.Dropout(0.1, rngs=rngs)``), are not training state: at each
     call stream ``i`` is keyed ``fold_in(key, i)`` (:func:`stream_values`), so the bits depend on
-    the seed and the step, not on the layout; without a key (evaluation) the module runs as
-    ``nnx.view(module, deterministic=True)``. Other non-parameter state (``nnx.BatchNorm``'s
-    running statistics) is refused with a ``ModelError``.
+    the seed and the step, not on the layout. Without a key (evaluation) any module runs as
+    ``nnx.view(module, deterministic=True)``, as ``model.eval()`` would. Other non-parameter state
+    (``nnx.BatchNorm``'s running statistics) is refused with a ``ModelError``. A module whose
+    ``__call__`` takes a flag (``train: bool``) gets ``train_kwargs`` in a training step and
+    ``eval_kwargs`` when evaluated, as :func:`from_linen` does.
 
     Shardings come from the parameters' metadata: :func:`shardkit.logical` names, or Flax's own
     ``nnx.with_partitioning`` names (mesh axes are used as such, other names resolve through
@@ -195,6 +199,7 @@ def from_nnx(
             "stacked_layers and the stage axis."
         )
     takes_rngs = "rngs" in inspect.signature(type(abstract).__call__).parameters
+    training, evaluating = _call_kwargs(label, train_kwargs, eval_kwargs)
 
     def init(key: jax.Array) -> Params:
         if instance is not None:
@@ -204,13 +209,14 @@ def from_nnx(
         return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
     def call(module: nnx.Module, inputs: Any, key: jax.Array | None) -> Any:
+        kwargs = evaluating if key is None else training
         if takes_rngs:
-            return module(inputs, rngs=None if key is None else nnx.Rngs(dropout=key))
-        return module(inputs)
+            return module(inputs, rngs=None if key is None else nnx.Rngs(dropout=key), **kwargs)
+        return module(inputs, **kwargs)
 
     def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
         module = nnx.merge(graphdef, params, stream_values(streams, key)) if streams else nnx.merge(graphdef, params)
-        if streams and key is None:  # no key, no randomness: as model.eval() would
+        if key is None:  # no key, no randomness: as model.eval() would
             module = nnx.view(module, deterministic=True, raise_if_not_found=False)
         if not boundaries:
             return call(module, inputs, key)
@@ -306,6 +312,8 @@ def from_linen(
     name: str | None = None,
     info: Mapping[str, Any] | None = None,
     boundaries: bool = True,
+    train_kwargs: Mapping[str, Any] | None = None,
+    eval_kwargs: Mapping[str, Any] | None = None,
 ) -> Model:
     """Wrap a Flax Linen module.
 
@@ -314,45 +322,77 @@ def from_linen(
 
     Args:
       module: the Linen module.
-      example_inputs: inputs for ``module.init`` (shapes only matter; e.g. ``jnp.zeros((2, 16))``).
+      example_inputs: one input for ``module.init``, shaped like what the loss passes to the
+        model (shapes only matter; e.g. ``jnp.zeros((2, 16))``).
       name: shown in tables.
       info: facts reports use (see :class:`Model`); inferred from the parameters when absent.
       boundaries: constrain every submodule's batched outputs (:mod:`shardkit.boundaries`).
+      train_kwargs: keyword arguments of ``__call__`` in a training step (and at ``init``), for a
+        module written as ``__call__(self, x, train: bool)``: ``{"train": True}``.
+      eval_kwargs: the same when evaluating (no dropout key): ``{"train": False}``.
 
     Example:
       >>> import flax.linen as nn, jax.numpy as jnp
       >>> model = from_linen(nn.Dense(4), jnp.zeros((1, 8)))
     """
+    label = name or type(module).__name__
+    training, evaluating = _call_kwargs(label, train_kwargs, eval_kwargs)
+    if len(example_inputs) != 1:
+        raise ModelError(
+            f"from_linen({label}, ...) takes one example input, shaped like what the loss passes to the model; got "
+            f"{len(example_inputs)}. Fix: give other arguments of __call__ by keyword, as train_kwargs={{'train': "
+            "True}, eval_kwargs={'train': False}."
+        )
 
     def boxed_init(key: jax.Array) -> Any:
-        return module.init({"params": key, "dropout": key}, *example_inputs)["params"]
+        return module.init({"params": key, "dropout": key}, *example_inputs, **training)["params"]
 
     def init(key: jax.Array) -> Params:
         return nn.meta.unbox(boxed_init(key))
 
     def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
         rngs = None if key is None else {"dropout": key}
+        kwargs = evaluating if key is None else training
         if not boundaries:
-            return module.apply({"params": params}, inputs, rngs=rngs)
+            return module.apply({"params": params}, inputs, rngs=rngs, **kwargs)
         with batch_in_flight(inputs), linen_boundaries():
-            return constrain_outputs(module.apply({"params": params}, inputs, rngs=rngs), (inputs,))
+            return constrain_outputs(module.apply({"params": params}, inputs, rngs=rngs, **kwargs), (inputs,))
 
-    boxed = jax.eval_shape(boxed_init, jax.random.key(0))
-    label = name or type(module).__name__
-    _refuse_linen_state(module, example_inputs, boxed, label)
+    try:
+        boxed = jax.eval_shape(boxed_init, jax.random.key(0))
+    except TypeError as e:
+        if "argument" not in str(e):
+            raise
+        raise ModelError(
+            f"{label}.init with the example input failed: {e}. Fix: pass the other arguments of __call__ as "
+            "train_kwargs={'train': True}, eval_kwargs={'train': False} (your names and values)."
+        ) from e
+    _refuse_linen_state(module, example_inputs, training, boxed, label)
     return Model(init, apply, linen_axes(boxed), label, dict(info or {}))
 
 
-def _refuse_linen_state(module: nn.Module, example_inputs: Sequence[Any], boxed: Any, label: str) -> None:
+def _call_kwargs(
+    label: str, train_kwargs: Mapping[str, Any] | None, eval_kwargs: Mapping[str, Any] | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The keyword arguments of a training call and of an evaluating one, checked."""
+    for what, given in (("train_kwargs", train_kwargs), ("eval_kwargs", eval_kwargs)):
+        if given is not None and not (isinstance(given, Mapping) and all(isinstance(k, str) for k in given)):
+            raise ModelError(f"{what} for {label} must map argument names to values, got {short_repr(given)}.")
+    return dict(train_kwargs or {}), dict(eval_kwargs or {})
+
+
+def _refuse_linen_state(
+    module: nn.Module, example_inputs: Sequence[Any], kwargs: Mapping[str, Any], boxed: Any, label: str
+) -> None:
     """Raise ``ModelError`` if applying ``module`` with its params alone reads another collection
     (``batch_stats``); collections it only writes (``sow`` intermediates) are harmless."""
     key = jax.random.key(0)
-    variables = jax.eval_shape(lambda k: module.init({"params": k, "dropout": k}, *example_inputs), key)
+    variables = jax.eval_shape(lambda k: module.init({"params": k, "dropout": k}, *example_inputs, **kwargs), key)
     others = sorted(set(variables) - {"params"})
     if not others:
         return
     try:
-        jax.eval_shape(lambda p: module.apply({"params": p}, *example_inputs, rngs={"dropout": key}), boxed)
+        jax.eval_shape(lambda p: module.apply({"params": p}, *example_inputs, rngs={"dropout": key}, **kwargs), boxed)
     except (flax_errors.ScopeCollectionNotFound, flax_errors.ScopeVariableNotFoundError):
         raise ModelError(LINEN_EXTRA_STATE.format(name=label, collections=others)) from None
 

@@ -148,3 +148,65 @@ def test_a_linen_model_that_only_sows_intermediates_is_accepted():
 def test_stored_streams_with_pipeline_stages_are_refused():
     with pytest.raises(ModelError, match="(?s)stores RNG streams.*rngs=rngs"):
         sk.from_nnx(TutorialMLP, stacked_layers="layers")
+
+
+class FlaggedLinenLM(nn.Module):
+    """As Flax's Linen examples write a model that trains and evaluates: a required ``train``
+    flag that turns dropout on."""
+
+    @nn.compact
+    def __call__(self, tokens, train: bool):
+        x = nn.Embed(256, 32)(tokens)
+        h = nn.Dropout(RATE, deterministic=not train)(nn.gelu(nn.Dense(64)(nn.LayerNorm()(x))))
+        return nn.Dense(256)(x + nn.Dense(32)(h))
+
+
+def test_a_linen_train_flag_is_passed_by_keyword_in_steps_and_evaluation():
+    flags = {"train_kwargs": {"train": True}, "eval_kwargs": {"train": False}}
+    model = sk.from_linen(FlaggedLinenLM(), jnp.zeros((2, 16), jnp.int32), **flags)
+    batch = sk.TextDataset.builtin().batch(0, batch_size=16, seq_len=16)
+    losses = {}
+    for layout in ("data=8", "fsdp=8"):
+        trainer = sk.Trainer(model, optax.sgd(0.0), layout)
+        state = trainer.init(0)
+        sharded = trainer.shard_batch(batch)
+        evaluated = float(trainer.evaluate(state, sharded)["loss"])
+        params = jax.device_get(state.params)  # before the step, which donates the state
+        losses[layout] = (float(trainer.step(state, sharded)[1]["loss"]), evaluated)
+    assert losses["data=8"] == pytest.approx(losses["fsdp=8"], rel=1e-5)
+    # Evaluation is the plain Flax call with train=False on one device; the step's dropout differs.
+    tokens = jnp.asarray(batch["tokens"])
+    logits = FlaggedLinenLM().apply({"params": params}, tokens[:, :-1], train=False)
+    want = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    step_loss, eval_loss = losses["fsdp=8"]
+    assert eval_loss == pytest.approx(float(want), rel=1e-5)
+    assert abs(step_loss - eval_loss) > 1e-3
+
+
+def test_call_arguments_given_wrongly_are_refused_with_the_fix():
+    example = jnp.zeros((2, 16), jnp.int32)
+    with pytest.raises(ModelError, match=r"(?s)missing 1 required positional argument: 'train'.*train_kwargs="):
+        sk.from_linen(FlaggedLinenLM(), example)
+    with pytest.raises(ModelError, match="takes one example input.*got 2.*train_kwargs"):
+        sk.from_linen(FlaggedLinenLM(), example, False)
+    with pytest.raises(ModelError, match="train_kwargs for FlaggedLinenLM must map argument names"):
+        sk.from_linen(FlaggedLinenLM(), example, train_kwargs=True)
+    with pytest.raises(ModelError, match="eval_kwargs for TutorialMLP must map argument names"):
+        sk.from_nnx(TutorialMLP, eval_kwargs=[("train", False)])
+
+
+def test_an_nnx_model_taking_rngs_evaluates_with_dropout_off():
+    class TakesRngs(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.linear = nnx.Linear(16, 1, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5)
+
+        def __call__(self, x, rngs=None):
+            return self.linear(self.dropout(x, rngs=rngs))
+
+    model = sk.from_nnx(TakesRngs)
+    params = model.init(jax.random.key(0))
+    x = jnp.ones((4, 16))
+    plain = x @ params["linear"]["kernel"] + params["linear"]["bias"]
+    np.testing.assert_allclose(model.apply(params, x, None), plain, rtol=1e-6)
+    assert not np.allclose(model.apply(params, x, jax.random.key(1)), plain)
