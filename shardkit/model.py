@@ -154,7 +154,8 @@ def from_nnx(
     examples write dropout (``nnx.Dropout(0.1, rngs=rngs)``), are not training state: at each
     call stream ``i`` is keyed ``fold_in(key, i)`` (:func:`stream_values`), so the bits depend on
     the seed and the step, not on the layout. Without a key (evaluation) any module runs as
-    ``nnx.view(module, deterministic=True)``, as ``model.eval()`` would. Other non-parameter state
+    ``nnx.view(module, deterministic=True)``, as ``model.eval()`` would; in a training step
+    submodules that leave ``deterministic`` unset get ``False``, as after ``model.train()``. Other non-parameter state
     (``nnx.BatchNorm``'s running statistics) is refused with a ``ModelError``. A module whose
     ``__call__`` takes a flag (``train: bool``) gets ``train_kwargs`` in a training step and
     ``eval_kwargs`` when evaluated, as :func:`from_linen` does.
@@ -218,6 +219,8 @@ def from_nnx(
         module = nnx.merge(graphdef, params, stream_values(streams, key)) if streams else nnx.merge(graphdef, params)
         if key is None:  # no key, no randomness: as model.eval() would
             module = nnx.view(module, deterministic=True, raise_if_not_found=False)
+        else:
+            _train_unset(module)
         if not boundaries:
             return call(module, inputs, key)
         with batch_in_flight(inputs), nnx_boundaries(module):
@@ -226,6 +229,15 @@ def from_nnx(
     axes = _plain_dict(nnx_axes(abstract_params))
     stages = None if stacked_layers is None else _nnx_stages(graphdef, abstract, stacked_layers, label)
     return Model(init, apply, axes, label, dict(info or {}), stages)
+
+
+def _train_unset(module: nnx.Module) -> None:
+    """Set ``deterministic=False`` on the submodules that leave it unset (``None``), as
+    ``model.train()`` would before a training loop (``nnx.MultiHeadAttention`` with dropout needs
+    one or the other); an explicit ``deterministic=True`` stays. ``module`` is this call's merged copy."""
+    for _, sub in nnx.iter_modules(module):
+        if vars(sub).get("deterministic", False) is None:
+            setattr(sub, "deterministic", False)  # noqa: B010 - any module's attribute, not a declared one
 
 
 def stream_values(streams: Sequence[tuple[Any, Any]], key: jax.Array | None) -> dict[str, Any]:

@@ -205,6 +205,9 @@ def plan_sharding(
 ) -> ShardingPlan:
     """Resolve where every parameter, optimizer state and batch array lives; compiles nothing.
 
+    A model that names no parameter's axes is split over ``fsdp`` anyway (each parameter on its
+    first dimension the axis divides): ZeRO-3 for any model, as PyTorch's FSDP gives.
+
     Args:
       model: the model (its parameters' logical names and shapes).
       optimizer: the optax transformation (its state's structure).
@@ -227,6 +230,10 @@ def plan_sharding(
     param_specs = specs_for(
         model.axes, abstract_params, rules, mesh, allow_replicate=allow_replicate, fallbacks=fallbacks
     )
+    if not annotates_any(model.axes):
+        # A model that names no parameter's axes still gets ZeRO-3 under fsdp, as PyTorch FSDP
+        # shards any module: each parameter split over fsdp on its first dimension that divides.
+        param_specs = zero_specs(param_specs, abstract_params, dict(mesh.shape), axis="fsdp")
     abstract_opt = jax.eval_shape(lambda p: optimizer.init(precision.optimizer_copy(p)), abstract_params)
     update_specs = zero_specs(param_specs, abstract_params, dict(mesh.shape)) if zero else param_specs
     replicated: Any = PartitionSpec()  # a leaf of the state's tree of specs
@@ -250,6 +257,12 @@ def plan_sharding(
         zero,
         update_specs,
     )
+
+
+def annotates_any(axes: Any) -> bool:
+    """Whether a model's :class:`Axes` tree names the axes of at least one parameter."""
+    leaves = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, Axes))
+    return any(a.names is not None or a.spec is not None for a in leaves)
 
 
 def zero_specs(param_specs: Any, abstract_params: Any, mesh_shape: Mapping[str, int], axis: str = "data") -> Any:

@@ -210,3 +210,31 @@ def test_an_nnx_model_taking_rngs_evaluates_with_dropout_off():
     plain = x @ params["linear"]["kernel"] + params["linear"]["bias"]
     np.testing.assert_allclose(model.apply(params, x, None), plain, rtol=1e-6)
     assert not np.allclose(model.apply(params, x, jax.random.key(1)), plain)
+
+
+def test_a_training_step_sets_unset_deterministic_flags_and_keeps_explicit_ones():
+    """As ``model.train()`` before a loop: nnx.MultiHeadAttention with dropout and no
+    ``deterministic`` would refuse to run; a dropout switched off by its author stays off."""
+
+    class Unset(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=8, dropout_rate=0.5, decode=False, rngs=rngs)
+
+        def __call__(self, x):
+            return self.attn(x)
+
+    class SwitchedOff(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.linear = nnx.Linear(8, 8, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, deterministic=True, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dropout(self.linear(x))
+
+    x = jnp.ones((2, 4, 8))
+    unset = sk.from_nnx(Unset)
+    params = unset.init(jax.random.key(0))
+    assert not np.allclose(unset.apply(params, x, jax.random.key(1)), unset.apply(params, x, None))
+    off = sk.from_nnx(SwitchedOff)
+    params = off.init(jax.random.key(0))
+    np.testing.assert_array_equal(off.apply(params, x, jax.random.key(1)), off.apply(params, x, None))
