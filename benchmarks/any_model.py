@@ -3,7 +3,10 @@ module boundaries (examples/byo_models.py: a Gemma-style NNX LM and a Linen LM, 
 constrains its activations).
 
 "before" wraps the model with ``boundaries=False`` (what a user got until now: XLA's guess);
-"after" is the default. Each row is one compiled train step on 8 simulated CPU devices.
+"after" is the default. The third model, ``nnx-plain``, names no axes at all (Flax's built-in
+layers, no metadata): its "before" also keeps every parameter whole on every device, as it was
+until shardkit split unnamed parameters over fsdp. Each row is one compiled train step on 8
+simulated CPU devices.
 
     python benchmarks/any_model.py                   # dim 256, 4 layers, batch 16 x 128
     python benchmarks/any_model.py --dim 64 --layers 2 --seq 32 --json benchmarks/results/any_model.json
@@ -24,7 +27,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
 import jax
 import jax.numpy as jnp
 import optax
-from byo_models import GemmaLM, LinenLM, LMConfig
+from byo_models import GemmaLM, LinenLM, LMConfig, PlainLM
+from jax.sharding import PartitionSpec
 
 LAYOUTS = ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2")
 
@@ -33,7 +37,13 @@ def models(cfg: LMConfig, seq: int):
     return {
         "nnx-gemma": lambda b: sk.from_nnx(lambda rngs: GemmaLM(cfg, rngs=rngs), boundaries=b),
         "linen-lm": lambda b: sk.from_linen(LinenLM(cfg), jnp.zeros((2, seq), jnp.int32), boundaries=b),
+        "nnx-plain": lambda b: plain(cfg, b),
     }
+
+
+def plain(cfg: LMConfig, after: bool) -> sk.Model:
+    model = sk.from_nnx(lambda rngs: PlainLM(cfg, rngs=rngs), boundaries=after)
+    return model if after else sk.annotate(model, [(r".*", PartitionSpec())])  # every parameter whole
 
 
 def row(name, when, layout, report):
@@ -54,6 +64,7 @@ def row(name, when, layout, report):
         "all_reduce_over_fsdp_mb": act_fsdp / 1e6,
         "reduce_scatter": any(c.kind == "reduce-scatter" and c.direction == "backward" for c in report.collectives),
         "temp_mb": report.memory.temp / 1e6,
+        "state_mb": report.memory.arguments / 1e6,
         "gflops_per_device": report.flops_per_device / 1e9,
     }
 
@@ -85,13 +96,13 @@ def main() -> None:
                 rows.append(row(name, when, layout, report))
     print(
         f"{'model':10s} {'when':7s} {'layout':24s} {'moved/bound':>11s} {'AR fsdp MB':>10s} {'RS':3s} "
-        f"{'temp MB':>8s} {'GFLOP/dev':>9s}"
+        f"{'temp MB':>8s} {'state MB':>8s} {'GFLOP/dev':>9s}"
     )
     for r in rows:
         print(
             f"{r['model']:10s} {r['when']:7s} {r['layout']:24s} {r['bytes_ratio']:11.2f} "
             f"{r['all_reduce_over_fsdp_mb']:10.2f} {'yes' if r['reduce_scatter'] else 'no':3s} "
-            f"{r['temp_mb']:8.2f} {r['gflops_per_device']:9.3f}"
+            f"{r['temp_mb']:8.2f} {r['state_mb']:8.2f} {r['gflops_per_device']:9.3f}"
         )
     write_json(args.json, {"config": vars(args), "versions": {"jax": jax.__version__}, "rows": rows})
 

@@ -1,5 +1,6 @@
 """Models written the way people outside shardkit write them: no ``sk.constrain``, Flax's own
-sharding metadata, several positional arguments, grouped-query attention; NNX and Linen.
+sharding metadata (or none at all), several positional arguments, grouped-query attention; NNX
+and Linen.
 
 Nothing here imports shardkit: these are the "your model, not ours" of the tests, notebook 06
 and ``benchmarks/any_model.py``; ``byo_factories.py`` wraps them for shardkit.
@@ -132,6 +133,40 @@ class GemmaLM(nnx.Module):
         for layer in self.layers:
             x = block(layer, x)
         return self.embed.attend(self.final_norm(x))  # tied embedding
+
+
+# ---------------------------------------------------------------------------------------------
+# NNX with no metadata at all: Flax's built-in layers as their docs use them.
+
+
+class PlainBlock(nnx.Module):
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
+        self.ln1 = nnx.LayerNorm(cfg.dim, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=cfg.heads, in_features=cfg.dim, decode=False, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(cfg.dim, rngs=rngs)
+        self.up = nnx.Linear(cfg.dim, cfg.mlp, rngs=rngs)
+        self.down = nnx.Linear(cfg.mlp, cfg.dim, rngs=rngs)
+
+    def __call__(self, x, mask):
+        x = x + self.attn(self.ln1(x), mask=mask)
+        return x + self.down(nnx.gelu(self.up(self.ln2(x))))
+
+
+class PlainLM(nnx.Module):
+    """A decoder LM of ``nnx.Embed``, ``nnx.MultiHeadAttention``, ``nnx.Linear`` and
+    ``nnx.LayerNorm`` with no partitioning metadata anywhere: tokens ``(B, T)`` -> logits ``(B, T, V)``."""
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(cfg.vocab, cfg.dim, rngs=rngs)
+        self.blocks = nnx.List([PlainBlock(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        self.ln = nnx.LayerNorm(cfg.dim, rngs=rngs)
+        self.head = nnx.Linear(cfg.dim, cfg.vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        x, mask = self.embed(tokens), nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln(x))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from shardkit.model import Model, model_facts
 from shardkit.precision import Precision
 from shardkit.report_data import CollectiveStat, Memory, Report, moved_bytes, source_op
 from shardkit.rules import Rules, entry_axes
+from shardkit.sharding import unnamed_model_note
 
 
 class CompiledStep(Protocol):
@@ -295,9 +296,13 @@ def sharding_warnings(trainer: CompiledStep, top: int = 3, min_fraction: float =
     - the largest parameters left fully replicated on a mesh of several devices (each at least
       ``min_fraction`` of all parameter bytes);
     - rules whose mesh axes are larger than 1 here but that shard no parameter;
-    - the model's own notes (e.g. regex rules of :func:`shardkit.annotate` that matched nothing).
+    - the model's own notes (e.g. regex rules of :func:`shardkit.annotate` that matched nothing);
+    - a ``tensor`` or ``expert`` axis under a model that names no parameter's axes.
     """
     warnings = list(trainer.model.notes)
+    unnamed = unnamed_model_note(trainer.model, dict(trainer.mesh.shape))
+    if unnamed is not None:
+        warnings.append(unnamed)
     rows = trainer.sharding_table()
     total = sum(r["bytes_per_device"] * math.prod(r["shape"]) / max(math.prod(r["shard"]), 1) for r in rows)
     if trainer.mesh.devices.size > 1:

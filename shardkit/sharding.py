@@ -265,6 +265,19 @@ def annotates_any(axes: Any) -> bool:
     return any(a.names is not None or a.spec is not None for a in leaves)
 
 
+def unnamed_model_note(model: Model, mesh_shape: Mapping[str, int]) -> str | None:
+    """A warning for a layout that splits weights over axes a model without names cannot use."""
+    idle = [f"{a}={mesh_shape[a]}" for a in ("tensor", "expert") if mesh_shape.get(a, 1) > 1]
+    if not idle or annotates_any(model.axes):
+        return None
+    return (
+        f"{model.name} names no parameter's axes, so nothing is split over {', '.join(idle)}: those devices repeat "
+        "each other's work (its weights are split over fsdp only). Fix: name the axes (sk.annotate(model, "
+        "[(r'up/kernel$', ('embed', 'mlp')), ...]) or Flax's with_partitioning), or leave "
+        f"{' and '.join(a.split('=')[0] for a in idle)} out of the layout."
+    )
+
+
 def zero_specs(param_specs: Any, abstract_params: Any, mesh_shape: Mapping[str, int], axis: str = "data") -> Any:
     """Each parameter's spec with ``axis`` added to its first dimension that still divides (the
     ZeRO split of optimizer state); a parameter no dimension of which divides stays as it was.

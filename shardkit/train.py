@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ from shardkit.partition import named, path_str, use_sharding
 from shardkit.precision import Precision, as_precision
 from shardkit.report import Report, build_report
 from shardkit.rules import RulesLike, as_rules, default_rules, tensor_sequence_parallel
-from shardkit.sharding import ShardingPlan, plan_sharding
+from shardkit.sharding import ShardingPlan, plan_sharding, unnamed_model_note
 from shardkit.state import TrainState
 from shardkit.steps import (
     NonFiniteError,
@@ -181,6 +182,9 @@ class Trainer:
                 f"zero={zero} shards the optimizer state over the data axis, but layout {self.layout.spec()} has "
                 "data=1. Fix: add a data axis (e.g. 'data=8'), or use fsdp for ZeRO-3."
             )
+        unnamed = unnamed_model_note(model, dict(self.plan.mesh.shape))
+        if unnamed is not None:
+            warnings.warn(unnamed, stacklevel=2)
         self.mesh, self.rules = self.plan.mesh, self.plan.rules
         self.abstract_params, self.param_specs = self.plan.abstract_params, self.plan.param_specs
         self.state_specs, self.state_shardings = self.plan.state_specs, self.plan.state_shardings

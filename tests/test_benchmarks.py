@@ -166,6 +166,10 @@ def test_any_model_benchmark_small(tmp_path):
     for model in ("nnx-gemma", "linen-lm"):
         assert after[model, "fsdp=8"]["bytes_ratio"] <= 1.05 < before[model, "fsdp=8"]["bytes_ratio"]
         assert after[model, "fsdp=8"]["reduce_scatter"] and not before[model, "fsdp=8"]["reduce_scatter"]
+    # The model that names no axes: its state whole on every device before, split over fsdp after.
+    plain_after, plain_before = after["nnx-plain", "fsdp=8"], before["nnx-plain", "fsdp=8"]
+    assert plain_after["state_mb"] < plain_before["state_mb"] / 6
+    assert plain_after["reduce_scatter"] and plain_after["bytes_ratio"] <= 1.05
     assert "moved/bound" in out
 
 

@@ -2,45 +2,25 @@
 calls) still gets ZeRO-3 under fsdp: every parameter and its optimizer state split over fsdp,
 weights gathered before use, gradients reduce-scattered, losses equal to one device's."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
+from byo_models import LMConfig, PlainLM
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
 
-DIM, VOCAB, B, T, LR, STEPS = 64, 256, 16, 32, 3e-3, 3
+CFG = LMConfig(dim=64, heads=4, mlp=256, layers=2)
+B, T, LR, STEPS = 16, 32, 3e-3, 3
 
 
-class Block(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.ln1 = nnx.LayerNorm(DIM, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(num_heads=4, in_features=DIM, decode=False, rngs=rngs)
-        self.ln2 = nnx.LayerNorm(DIM, rngs=rngs)
-        self.up = nnx.Linear(DIM, 4 * DIM, rngs=rngs)
-        self.down = nnx.Linear(4 * DIM, DIM, rngs=rngs)
-
-    def __call__(self, x, mask):
-        x = x + self.attn(self.ln1(x), mask=mask)
-        return x + self.down(nnx.gelu(self.up(self.ln2(x))))
-
-
-class PlainLM(nnx.Module):
-    """Flax's built-in NNX layers as their docs use them: no partitioning metadata anywhere."""
-
-    def __init__(self, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
-        self.blocks = nnx.List([Block(rngs) for _ in range(2)])
-        self.ln = nnx.LayerNorm(DIM, rngs=rngs)
-        self.head = nnx.Linear(DIM, VOCAB, rngs=rngs)
-
-    def __call__(self, tokens):
-        x, mask = self.embed(tokens), nnx.make_causal_mask(tokens)
-        for block in self.blocks:
-            x = block(x, mask)
-        return self.head(self.ln(x))
+def plain_lm(rngs: nnx.Rngs) -> PlainLM:
+    return PlainLM(CFG, rngs=rngs)
 
 
 BATCHES = [sk.TextDataset.builtin().batch(s, batch_size=B, seq_len=T) for s in range(STEPS)]
@@ -50,7 +30,7 @@ def one_device_losses():
     """Plain Flax NNX + optax on one device; parameters from ``split(key(0))[0]``, as documented."""
     init_key, _ = jax.random.split(jax.random.key(0))
     with jax.default_device(jax.devices()[0]):
-        model = PlainLM(nnx.Rngs(init_key))
+        model = plain_lm(nnx.Rngs(init_key))
         optimizer = nnx.Optimizer(model, optax.adamw(LR), wrt=nnx.Param)
         losses = []
         for batch in BATCHES:
@@ -67,11 +47,13 @@ def one_device_losses():
 
 
 def test_an_unannotated_model_gets_zero3_under_fsdp():
-    model = sk.from_nnx(PlainLM)
+    model = sk.from_nnx(plain_lm)
     trainer = sk.Trainer(model, optax.adamw(LR), "fsdp=8")
-    # Every parameter of at least 8 rows or columns is split over fsdp, and its Adam moments too.
+    # Every parameter is split over fsdp (each has a dimension 8 divides), and its Adam moments too.
     specs = jax.tree.leaves(trainer.state_shardings.params, is_leaf=lambda x: hasattr(x, "spec"))
     assert all("fsdp" in str(s.spec) for s in specs), [s.spec for s in specs]
+    moments = jax.tree.leaves(trainer.state_shardings.opt_state, is_leaf=lambda x: hasattr(x, "spec"))
+    assert sum("fsdp" in str(s.spec) for s in moments) == 2 * len(specs)  # Adam's mu and nu
     assert tuple(trainer.state_shardings.params["embed"]["embedding"].spec)[:1] == ("fsdp",)  # vocab rows
     # The compiled step: weights gathered and gradients reduce-scattered over fsdp, at the bound;
     # state per device an eighth of data parallelism's.
@@ -96,8 +78,8 @@ def test_a_model_that_names_some_axes_keeps_the_others_as_it_wrote_them():
     class Half(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
             init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("fsdp", None))
-            self.named = nnx.Linear(DIM, DIM, kernel_init=init, use_bias=False, rngs=rngs)
-            self.plain = nnx.Linear(DIM, DIM, use_bias=False, rngs=rngs)
+            self.named = nnx.Linear(CFG.dim, CFG.dim, kernel_init=init, use_bias=False, rngs=rngs)
+            self.plain = nnx.Linear(CFG.dim, CFG.dim, use_bias=False, rngs=rngs)
 
         def __call__(self, x):
             return self.plain(self.named(x))
@@ -105,3 +87,13 @@ def test_a_model_that_names_some_axes_keeps_the_others_as_it_wrote_them():
     trainer = sk.Trainer(sk.from_nnx(Half), optax.sgd(0.1), "fsdp=8", loss=sk.mse_loss)
     assert trainer.state_shardings.params["named"]["kernel"].spec == P("fsdp", None)
     assert trainer.state_shardings.params["plain"]["kernel"].spec == P()
+
+
+def test_a_tensor_axis_under_a_model_that_names_nothing_is_a_warning_with_the_fix():
+    model = sk.from_nnx(plain_lm)
+    with pytest.warns(UserWarning, match="(?s)names no parameter's axes.*tensor=2.*sk.annotate"):
+        trainer = sk.Trainer(model, optax.adamw(LR), "fsdp=4,tensor=2")
+    assert any("repeat each other's work" in w for w in sk.report.sharding_warnings(trainer))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sk.Trainer(model, optax.adamw(LR), "fsdp=8")  # nothing to warn about
