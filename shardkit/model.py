@@ -155,10 +155,11 @@ def from_nnx(
     call stream ``i`` is keyed ``fold_in(key, i)`` (:func:`stream_values`), so the bits depend on
     the seed and the step, not on the layout. Without a key (evaluation) any module runs as
     ``nnx.view(module, deterministic=True)``, as ``model.eval()`` would; in a training step
-    submodules that leave ``deterministic`` unset get ``False``, as after ``model.train()``. Other non-parameter state
-    (``nnx.BatchNorm``'s running statistics) is refused with a ``ModelError``. A module whose
-    ``__call__`` takes a flag (``train: bool``) gets ``train_kwargs`` in a training step and
-    ``eval_kwargs`` when evaluated, as :func:`from_linen` does.
+    submodules that leave ``deterministic`` unset get ``False``, as after ``model.train()``.
+    Other non-parameter state (``nnx.BatchNorm``'s running statistics) is refused with a
+    ``ModelError``. A module whose ``__call__`` takes a flag (``train: bool``) gets
+    ``train_kwargs`` in a training step and ``eval_kwargs`` when evaluated, as
+    :func:`from_linen` does.
 
     Shardings come from the parameters' metadata: :func:`shardkit.logical` names, or Flax's own
     ``nnx.with_partitioning`` names (mesh axes are used as such, other names resolve through
