@@ -245,7 +245,8 @@ def stream_values(streams: Sequence[tuple[Any, Any]], key: jax.Array | None) -> 
     """Values for an NNX module's stored RNG streams (``nnx.Dropout(..., rngs=rngs)``) at one call.
 
     Stream ``i`` (ordered by its path, as a tuple of strings: ``("dropout1", "rngs")`` before
-    ``("dropout2", "rngs")``) gets the key ``fold_in(key, i)`` and a count of 0, so a step's
+    ``("dropout2", "rngs")``) gets the key ``fold_in(key, i)`` (split into one key per layer for
+    a stream of stacked layers, ``nnx.vmap``) and a count of 0, so a step's
     random bits depend on the step's key alone, as when ``rngs`` are passed in: the streams are
     not training state, and a restarted run draws what the first one drew.
 
@@ -275,6 +276,8 @@ def stream_values(streams: Sequence[tuple[Any, Any]], key: jax.Array | None) -> 
             value = jax.numpy.zeros(leaf.shape, leaf.dtype)
         else:
             value = jax.random.fold_in(key, owners.index(tuple(str(p.key) for p in path[:-1])))
+            if leaf.shape:  # a stream of stacked layers (nnx.vmap, nnx.split_rngs): one key per layer
+                value = jax.random.split(value, math.prod(leaf.shape)).reshape(leaf.shape)
             if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 value = jax.random.key_data(value)
         node = values

@@ -205,8 +205,8 @@ def plan_sharding(
 ) -> ShardingPlan:
     """Resolve where every parameter, optimizer state and batch array lives; compiles nothing.
 
-    A model that names no parameter's axes is split over ``fsdp`` anyway (each parameter on its
-    first dimension the axis divides): ZeRO-3 for any model, as PyTorch's FSDP gives.
+    A model that names no parameter's axes is split over ``fsdp`` anyway
+    (:func:`unnamed_fsdp_specs`): ZeRO-3 for any model, as PyTorch's FSDP gives.
 
     Args:
       model: the model (its parameters' logical names and shapes).
@@ -232,8 +232,8 @@ def plan_sharding(
     )
     if not annotates_any(model.axes):
         # A model that names no parameter's axes still gets ZeRO-3 under fsdp, as PyTorch FSDP
-        # shards any module: each parameter split over fsdp on its first dimension that divides.
-        param_specs = zero_specs(param_specs, abstract_params, dict(mesh.shape), axis="fsdp")
+        # shards any module.
+        param_specs = unnamed_fsdp_specs(abstract_params, dict(mesh.shape))
     abstract_opt = jax.eval_shape(lambda p: optimizer.init(precision.optimizer_copy(p)), abstract_params)
     update_specs = zero_specs(param_specs, abstract_params, dict(mesh.shape)) if zero else param_specs
     replicated: Any = PartitionSpec()  # a leaf of the state's tree of specs
@@ -263,6 +263,30 @@ def annotates_any(axes: Any) -> bool:
     """Whether a model's :class:`Axes` tree names the axes of at least one parameter."""
     leaves = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, Axes))
     return any(a.names is not None or a.spec is not None for a in leaves)
+
+
+def unnamed_fsdp_specs(abstract_params: Any, mesh_shape: Mapping[str, int]) -> Any:
+    """Specs for a model that names no axes: each parameter split over ``fsdp`` on its largest
+    dimension that the axis size divides (the first of equals), whole where none does.
+
+    The largest rather than the first: a stack of layers (``nnx.vmap``, ``nn.scan``) keeps its
+    layer dimension whole, so each step of a scan over it reads its own layer's shard.
+
+    Example:
+      >>> import jax
+      >>> unnamed_fsdp_specs({"w": jax.ShapeDtypeStruct((8, 64, 256), "float32")}, {"fsdp": 8})
+      {'w': P(None, None, 'fsdp')}
+    """
+    size = mesh_shape.get("fsdp", 1)
+
+    def split(leaf: Any) -> PartitionSpec:
+        dims = [d for d, n in enumerate(leaf.shape) if n % size == 0]
+        if size == 1 or not dims:
+            return PartitionSpec()
+        d = max(dims, key=lambda d: (leaf.shape[d], -d))
+        return PartitionSpec(*([None] * d), "fsdp", *([None] * (len(leaf.shape) - d - 1)))
+
+    return jax.tree.map(split, abstract_params)
 
 
 def unnamed_model_note(model: Model, mesh_shape: Mapping[str, int]) -> str | None:

@@ -97,3 +97,55 @@ def test_a_tensor_axis_under_a_model_that_names_nothing_is_a_warning_with_the_fi
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sk.Trainer(model, optax.adamw(LR), "fsdp=8")  # nothing to warn about
+
+
+class ScannedBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.ln = nnx.LayerNorm(CFG.dim, rngs=rngs)
+        self.up = nnx.Linear(CFG.dim, CFG.mlp, rngs=rngs)
+        self.down = nnx.Linear(CFG.mlp, CFG.dim, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.dropout(self.down(nnx.gelu(self.up(self.ln(x)))))
+
+
+class ScannedLM(nnx.Module):
+    """Layers stacked with nnx.vmap and run with nnx.scan, as Flax's docs write a deep model, each
+    keeping its dropout stream; no metadata."""
+
+    def __init__(self, rngs: nnx.Rngs, layers: int = 8):
+        self.embed = nnx.Embed(CFG.vocab, CFG.dim, rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stack(rngs):
+            return ScannedBlock(rngs)
+
+        self.blocks = stack(rngs)
+        self.head = nnx.Linear(CFG.dim, CFG.vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def run(block, x):
+            return block(x)
+
+        return self.head(run(self.blocks, self.embed(tokens)))
+
+
+def test_stacked_layers_keep_their_layer_dimension_whole_and_train_alike_under_every_layout():
+    model = sk.from_nnx(ScannedLM)
+    results = {}
+    for layout in ("data=8", "fsdp=8"):
+        trainer = sk.Trainer(model, optax.adamw(LR), layout)
+        state, losses = trainer.init(0), []
+        evaluated = float(trainer.evaluate(state, trainer.shard_batch(BATCHES[0]))["loss"])
+        for b in BATCHES:
+            state, metrics = trainer.step(state, trainer.shard_batch(b))
+            losses.append(float(metrics["loss"]))
+        results[layout] = (losses, evaluated)
+    # (8 layers, 64, 256): the layer dimension 8 divides too, but the scan reads one layer a step.
+    assert tuple(trainer.state_shardings.params["blocks"]["up"]["kernel"].spec) == (None, None, "fsdp")
+    np.testing.assert_allclose(results["fsdp=8"][0], results["data=8"][0], rtol=2e-5)
+    assert results["fsdp=8"][1] == pytest.approx(results["data=8"][1], rel=1e-5)
+    assert abs(results["data=8"][0][0] - results["data=8"][1]) > 1e-4  # dropout in steps, not in evaluation
