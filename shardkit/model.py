@@ -374,8 +374,10 @@ def from_linen(
         with batch_in_flight(inputs), linen_boundaries():
             return constrain_outputs(module.apply({"params": params}, inputs, rngs=rngs, **kwargs), (inputs,))
 
-    try:
-        boxed = jax.eval_shape(boxed_init, jax.random.key(0))
+    try:  # every collection, so that the check below need not trace init again
+        variables = jax.eval_shape(
+            lambda k: module.init({"params": k, "dropout": k}, *example_inputs, **training), jax.random.key(0)
+        )
     except TypeError as e:
         if "argument" not in str(e):
             raise
@@ -383,8 +385,8 @@ def from_linen(
             f"{label}.init with the example input failed: {e}. Fix: pass the other arguments of __call__ as "
             "train_kwargs={'train': True}, eval_kwargs={'train': False} (your names and values)."
         ) from e
-    _refuse_linen_state(module, example_inputs, training, boxed, label)
-    return Model(init, apply, linen_axes(boxed), label, dict(info or {}))
+    _refuse_linen_state(module, example_inputs, training, variables, label)
+    return Model(init, apply, linen_axes(variables["params"]), label, dict(info or {}))
 
 
 def _call_kwargs(
@@ -398,17 +400,19 @@ def _call_kwargs(
 
 
 def _refuse_linen_state(
-    module: nn.Module, example_inputs: Sequence[Any], kwargs: Mapping[str, Any], boxed: Any, label: str
+    module: nn.Module, example_inputs: Sequence[Any], kwargs: Mapping[str, Any], variables: Any, label: str
 ) -> None:
-    """Raise ``ModelError`` if applying ``module`` with its params alone reads another collection
-    (``batch_stats``); collections it only writes (``sow`` intermediates) are harmless."""
-    key = jax.random.key(0)
-    variables = jax.eval_shape(lambda k: module.init({"params": k, "dropout": k}, *example_inputs, **kwargs), key)
+    """Raise ``ModelError`` if applying ``module`` with its params alone reads another of the
+    collections ``variables`` holds (``batch_stats``); collections it only writes (``sow``
+    intermediates) are harmless."""
     others = sorted(set(variables) - {"params"})
     if not others:
         return
+    key = jax.random.key(0)
     try:
-        jax.eval_shape(lambda p: module.apply({"params": p}, *example_inputs, rngs={"dropout": key}, **kwargs), boxed)
+        jax.eval_shape(
+            lambda p: module.apply({"params": p}, *example_inputs, rngs={"dropout": key}, **kwargs), variables["params"]
+        )
     except (flax_errors.ScopeCollectionNotFound, flax_errors.ScopeVariableNotFoundError):
         raise ModelError(LINEN_EXTRA_STATE.format(name=label, collections=others)) from None
 
