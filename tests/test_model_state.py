@@ -1,7 +1,8 @@
-"""Models that hold more than parameters, written as Flax's own examples write them: NNX modules
-that store their dropout streams (``nnx.Dropout(rate, rngs=rngs)``) train under every layout
-with the bits of an independent one-device loop; running statistics (BatchNorm), which shardkit
-does not train yet, are refused with an error that names them, in NNX and in Linen."""
+"""Models written as Flax's own examples write them, beyond parameters: NNX modules that keep
+their dropout streams (``nnx.Dropout(rate, rngs=rngs)``) train under every layout with the bits
+of an independent one-device loop; ``train`` flags reach ``__call__`` by keyword; unset
+``deterministic`` flags train and evaluate as ``model.train()``/``model.eval()`` would; running
+statistics (BatchNorm), which shardkit does not train yet, are refused by name in NNX and Linen."""
 
 import jax
 import jax.numpy as jnp
