@@ -269,13 +269,14 @@ def stream_values(streams: Sequence[tuple[Any, Any]], key: jax.Array | None) -> 
         key = jax.random.key(0)
     elif not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)
-    owners = sorted({tuple(str(p.key) for p in path[:-1]) for path, _ in streams})
+    owner = [tuple(str(p.key) for p in path[:-1]) for path, _ in streams]  # the stream of each leaf
+    index = {o: i for i, o in enumerate(sorted(set(owner)))}
     values: dict[str, Any] = {}
-    for path, leaf in streams:
+    for (path, leaf), stream in zip(streams, owner, strict=True):
         if path[-1].key == "count":
             value = jax.numpy.zeros(leaf.shape, leaf.dtype)
         else:
-            value = jax.random.fold_in(key, owners.index(tuple(str(p.key) for p in path[:-1])))
+            value = jax.random.fold_in(key, index[stream])
             if leaf.shape:  # a stream of stacked layers (nnx.vmap, nnx.split_rngs): one key per layer
                 value = jax.random.split(value, math.prod(leaf.shape)).reshape(leaf.shape)
             if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):

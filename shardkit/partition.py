@@ -69,6 +69,11 @@ def _is_axes(x: Any) -> bool:
     return isinstance(x, Axes)
 
 
+def annotates_any(axes: Any) -> bool:
+    """Whether a tree of :class:`Axes` names the axes of at least one parameter."""
+    return any(a.names is not None or a.spec is not None for a in jax.tree.leaves(axes, is_leaf=_is_axes))
+
+
 def logical(init: Callable[..., jax.Array], names: Sequence[str | None]) -> Callable[..., jax.Array]:
     """Wrap a Flax NNX initializer so the variable it creates carries logical axis names.
 
@@ -208,7 +213,7 @@ def regex_axes(
     own_by_path = {path_str(p): a for p, a in flat_own}
     # A model that annotates some parameters leaves the others replicated on purpose (as Flax
     # reads it); one that annotates none relies on the rules for every parameter.
-    model_annotates = any(a.names is not None or a.spec is not None for a in own_by_path.values())
+    model_annotates = annotates_any(list(own_by_path.values()))
 
     def names_for(path: tuple[Any, ...], leaf: Any) -> Axes:
         key = path_str(path)

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardkit.errors import LayoutError
 from shardkit.mesh import Layout, as_layout
 from shardkit.model import Model, Params
-from shardkit.partition import Axes, named, path_str, specs_for
+from shardkit.partition import Axes, annotates_any, named, path_str, specs_for
 from shardkit.precision import Precision
 from shardkit.rules import Fallback, Rules, entry_axes, resolve
 from shardkit.state import TrainState
@@ -257,12 +257,6 @@ def plan_sharding(
         zero,
         update_specs,
     )
-
-
-def annotates_any(axes: Any) -> bool:
-    """Whether a model's :class:`Axes` tree names the axes of at least one parameter."""
-    leaves = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, Axes))
-    return any(a.names is not None or a.spec is not None for a in leaves)
 
 
 def unnamed_fsdp_specs(abstract_params: Any, mesh_shape: Mapping[str, int]) -> Any:
