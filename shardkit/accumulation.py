@@ -71,20 +71,21 @@ def accumulated_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan) 
         return grads_fn
     shardings = plan.state_shardings.params
 
-    def grads(params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
+    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
         micro = split_microbatches(batch, microbatches, plan)
         zeros = plan.constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), shardings)
 
-        def body(carry: tuple[Any, Any, Any], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, Any, Any], None]:
-            grad_sum, loss_sum, count_sum = carry
+        def body(carry: tuple[Any, ...], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, ...], None]:
+            grad_sum, loss_sum, count_sum, state = carry
             mb, i = xs
-            value, count, g = grads_fn(params, mb, jax.random.fold_in(key, i))
+            # Running statistics are updated microbatch after microbatch, as K forward passes would.
+            value, count, g, state = grads_fn(params, state, mb, jax.random.fold_in(key, i))
             grad_sum = plan.constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g), shardings)
-            return (grad_sum, loss_sum + value, count_sum + count), None
+            return (grad_sum, loss_sum + value, count_sum + count, state), None
 
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-        (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
-        return loss_sum / microbatches, count, jax.tree.map(lambda g: g / microbatches, grad_sum)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), model_state)
+        (grad_sum, loss_sum, count, state), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
+        return loss_sum / microbatches, count, jax.tree.map(lambda g: g / microbatches, grad_sum), state
 
     return grads
 
@@ -104,9 +105,9 @@ def once_reduced_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan,
         plan.param_specs,
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
-    per_device = jax.vmap(grads_fn, in_axes=(None, 0, None), spmd_axis_name=axes)
+    per_device = jax.vmap(grads_fn, in_axes=(None, None, 0, None), out_axes=(0, 0, 0, None), spmd_axis_name=axes)
 
-    def grads(params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
+    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
         specs = plan.batch_specs(batch)
 
         def blocks(name: str, x: jax.Array) -> jax.Array:  # (K, B/K, ...) -> (K, n, B/(K n), ...)
@@ -120,7 +121,7 @@ def once_reduced_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan,
             grad_sum, loss_sum, count_sum = carry
             mb, i = xs
             with axes_taken(axes):
-                value, count, g = per_device(params, mb, jax.random.fold_in(key, i))
+                value, count, g, _ = per_device(params, None, mb, jax.random.fold_in(key, i))
             grad_sum = plan.constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g), sums_at)
             return (grad_sum, loss_sum + value.mean(), count_sum + count.sum()), None
 
@@ -133,7 +134,7 @@ def once_reduced_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan,
                 plan.param_specs,
                 is_leaf=lambda x: isinstance(x, PartitionSpec),
             )
-        return loss_sum / microbatches, count, reduced
+        return loss_sum / microbatches, count, reduced, model_state  # choose() keeps models with state away
 
     return grads
 
@@ -181,6 +182,13 @@ def choose(
     info = Accumulation(reduce)
     axes = _row_axes(plan)
     reason = _layout_reason(plan, axes, reduce)
+    if model.state_init is not None:
+        reason = (
+            f"model {model.name} keeps running statistics (batch normalization), which must see each microbatch's "
+            "rows together, not each device's"
+        )
+        if reduce == "once":
+            raise ModelError(f"reduce_gradients='once': {reason}. Fix: use reduce_gradients='auto'.")
     if reduce == "once" and reason:
         raise LayoutError(
             f"reduce_gradients='once' with layout {plan.layout.spec()}: {reason}. "
@@ -191,7 +199,7 @@ def choose(
         return reducing(()), info
     per_microbatch, once = reducing(()), reducing(axes)
 
-    def grads(params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
+    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
         found = _traced_reason(model, loss, precision, plan, params, batch, key, microbatches, axes)
         if found and reduce == "once":
             raise ModelError(
@@ -199,7 +207,7 @@ def choose(
                 "shardkit.dropout.dropout (sk.dropout), or use reduce_gradients='auto'."
             )
         info.reduces, info.reason = ("per_microbatch", found) if found else ("once", "")
-        return (per_microbatch if found else once)(params, batch, key)
+        return (per_microbatch if found else once)(params, model_state, batch, key)
 
     return grads, info
 

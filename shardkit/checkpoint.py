@@ -368,6 +368,8 @@ class Checkpointer:
         part = {"step": target.step, "params": target.params, "rng": target.rng}
         if target.master is not None:
             part["master"] = target.master
+        if target.model_state is not None:  # running statistics belong to the model, not the optimizer
+            part["model_state"] = target.model_state
         restored = ocp.PyTreeCheckpointer().restore(
             self.directory / str(step) / "state",
             args=ocp.args.PyTreeRestore(
@@ -382,6 +384,7 @@ class Checkpointer:
             opt_state=fresh(master if master is not None else restored["params"]),
             rng=restored["rng"],
             master=master,
+            model_state=restored.get("model_state"),
         )
 
     def _check_step(self, step: int) -> None:

@@ -2,7 +2,10 @@
 
 A :class:`Model` is a pure ``init(key) -> params`` and ``apply(params, inputs, key) -> outputs``
 over a plain params pytree (nested dicts of arrays), plus the logical axis names of every
-parameter. :func:`from_nnx`, :func:`from_linen` and :func:`annotate` (regex rules) build one.
+parameter. A model that keeps state besides its parameters (``nnx.BatchNorm``'s running
+statistics, Linen's ``batch_stats``) has ``state_init`` and ``state_apply`` instead of a usable
+``apply``; :func:`apply_model` calls either kind. :func:`from_nnx`, :func:`from_linen` and
+:func:`annotate` (regex rules) build one.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ class Model:
       stages: how the model splits into pipeline stages (None: it cannot be pipelined).
       notes: warnings about the model's annotations (e.g. regex rules that matched nothing),
         listed by reports.
+      state_init: ``key -> state``, the model's non-trainable state (running statistics), a
+        tree of arrays; None for a model that has none.
+      state_apply: ``(params, state, inputs, key_or_None) -> (outputs, state)``: a training call
+        (a key) returns the updated state; an evaluating one (None) reads the state and returns
+        it unchanged.
     """
 
     init: Callable[[jax.Array], Params]
@@ -51,10 +59,38 @@ class Model:
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     stages: Stages | None = None
     notes: tuple[str, ...] = ()
+    state_init: Callable[[jax.Array], Any] | None = None
+    state_apply: Callable[[Params, Any, Any, jax.Array | None], tuple[Any, Any]] | None = None
 
     def abstract_params(self, seed: int = 0) -> Params:
         """Shapes and dtypes of the parameters (``ShapeDtypeStruct`` tree); allocates nothing."""
         return jax.eval_shape(self.init, jax.random.key(seed))
+
+    def abstract_model_state(self, seed: int = 0) -> Any:
+        """Shapes and dtypes of the non-trainable state (None for a model without any)."""
+        return None if self.state_init is None else jax.eval_shape(self.state_init, jax.random.key(seed))
+
+
+def apply_model(model: Model, params: Params, state: Any, inputs: Any, key: jax.Array | None) -> tuple[Any, Any]:
+    """``(outputs, state)`` of one call of any model: ``state_apply`` for a model with state (the
+    new state keeps the old one's dtypes), ``apply`` for one without (``state`` passes through)."""
+    if model.state_apply is None:
+        return model.apply(params, inputs, key), state
+    outputs, new = model.state_apply(params, state, inputs, key)
+    return outputs, jax.tree.map(lambda n, o: n.astype(o.dtype), new, state)
+
+
+def _stateful_apply(label: str) -> Callable[[Params, Any, jax.Array | None], Any]:
+    """``Model.apply`` of a model with state: refuses, naming the call that takes the state."""
+
+    def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
+        raise ModelError(
+            f"Model {label} keeps state besides its parameters (running statistics), so apply(params, inputs, key) "
+            "cannot run it. Fix: call shardkit.model.apply_model(model, params, state, inputs, key), or "
+            "model.state_apply(params, state, inputs, key), with the train state's .model_state."
+        )
+
+    return apply
 
 
 def model_facts(model: Model) -> dict[str, Any]:
@@ -119,19 +155,10 @@ class Stages:
     n_layers: int
 
 
-NNX_EXTRA_STATE = """\
-Model {name} holds variables that are neither nnx.Param nor RNG streams: {paths}.
-shardkit trains the nnx.Param variables of an NNX model and derives its RNG streams (nnx.Dropout(...,
-rngs=rngs)) from each step's key; other state, such as nnx.BatchNorm's running statistics, is not
-supported yet. Fix: normalize without running statistics (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm),
-or keep such values out of the module.
-"""
-
-LINEN_EXTRA_STATE = """\
-Model {name} reads the Linen collection(s) {collections} when applied; shardkit trains the "params"
-collection only (running statistics such as nn.BatchNorm's "batch_stats" are not supported yet).
-Fix: normalize without running statistics (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm), or give the
-module a flag that leaves them out when it is trained by shardkit.
+LINEN_EVAL_WRITES = """\
+Model {name} writes its state {collections} when evaluated: {error}
+Fix: give the flag that makes it read its running statistics, as eval_kwargs={{'train': False}}
+(and train_kwargs={{'train': True}}), with your argument's name.
 """
 
 
@@ -156,10 +183,12 @@ def from_nnx(
     the seed and the step, not on the layout. Without a key (evaluation) any module runs as
     ``nnx.view(module, deterministic=True)``, as ``model.eval()`` would; in a training step
     submodules that leave ``deterministic`` unset get ``False``, as after ``model.train()``.
-    Other non-parameter state (``nnx.BatchNorm``'s running statistics) is refused with a
-    ``ModelError``. A module whose ``__call__`` takes a flag (``train: bool``) gets
-    ``train_kwargs`` in a training step and ``eval_kwargs`` when evaluated, as
-    :func:`from_linen` does.
+    Other variables (``nnx.BatchNorm``'s running statistics, any ``nnx.Variable`` that is not a
+    parameter) are the model's state (:attr:`Model.state_init`): a training step updates them
+    (``use_running_average`` left unset becomes False, as after ``model.train()``) and evaluation
+    reads them (``use_running_average=True``, as after ``model.eval()``). A module whose
+    ``__call__`` takes a flag (``train: bool``) gets ``train_kwargs`` in a training step and
+    ``eval_kwargs`` when evaluated, as :func:`from_linen` does.
 
     Shardings come from the parameters' metadata: :func:`shardkit.logical` names, or Flax's own
     ``nnx.with_partitioning`` names (mesh axes are used as such, other names resolve through
@@ -190,16 +219,18 @@ def from_nnx(
         abstract = nnx.eval_shape(lambda: instance if instance is not None else make(nnx.Rngs(0)))
     graphdef, abstract_params, abstract_streams, rest = nnx.split(abstract, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
     label = name or type(abstract).__name__
-    extra = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0]
-    if extra:
-        raise ModelError(NNX_EXTRA_STATE.format(name=label, paths=[path_str(p) for p, _ in extra][:5]))
+    kept = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0]  # the model's state
+    kinds = nnx.Any(*{type(v) for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))})
     streams = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract_streams))[0]
-    if streams and stacked_layers is not None:
-        raise ModelError(
-            f"Model {label} stores RNG streams ({path_str(streams[0][0])}), which pipeline stages cannot split. "
-            "Fix: take `rngs` as an argument of __call__ and pass it on (nnx.Dropout(...)(x, rngs=rngs)), or drop "
-            "stacked_layers and the stage axis."
-        )
+    for what, found, fix in (
+        ("RNG streams", streams, "take `rngs` in __call__ and pass it on (nnx.Dropout(...)(x, rngs=rngs))"),
+        ("state besides its parameters", kept, "normalize without running statistics (nnx.LayerNorm, nnx.RMSNorm)"),
+    ):
+        if found and stacked_layers is not None:
+            raise ModelError(
+                f"Model {label} stores {what} ({path_str(found[0][0])}), which pipeline stages cannot split. "
+                f"Fix: {fix}, or drop stacked_layers and the stage axis."
+            )
     takes_rngs = "rngs" in inspect.signature(type(abstract).__call__).parameters
     training, evaluating = _call_kwargs(label, train_kwargs, eval_kwargs)
 
@@ -216,29 +247,60 @@ def from_nnx(
             return module(inputs, rngs=None if key is None else nnx.Rngs(dropout=key), **kwargs)
         return module(inputs, **kwargs)
 
-    def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
-        module = nnx.merge(graphdef, params, stream_values(streams, key)) if streams else nnx.merge(graphdef, params)
-        if key is None:  # no key, no randomness: as model.eval() would
-            module = nnx.view(module, deterministic=True, raise_if_not_found=False)
+    def run(params: Params, state: Any, inputs: Any, key: jax.Array | None) -> tuple[Any, nnx.Module]:
+        values = [params, *([stream_values(streams, key)] if streams else []), *([state] if kept else [])]
+        module = nnx.merge(graphdef, *values)
+        if key is None:  # no key, no randomness, the running statistics read: as model.eval() would
+            module = nnx.view(module, deterministic=True, use_running_average=True, raise_if_not_found=False)
         else:
             _train_unset(module)
         if not boundaries:
-            return call(module, inputs, key)
+            return call(module, inputs, key), module
         with batch_in_flight(inputs), nnx_boundaries(module):
-            return constrain_outputs(call(module, inputs, key), (inputs,))
+            return constrain_outputs(call(module, inputs, key), (inputs,)), module
+
+    def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
+        return run(params, None, inputs, key)[0]
+
+    def state_init(key: jax.Array) -> Any:
+        if instance is not None:
+            return nnx.to_pure_dict(nnx.state(instance, kinds))
+        with nnx.use_eager_sharding(False):
+            module = make(nnx.Rngs(key))
+        return nnx.to_pure_dict(nnx.state(module, kinds))
+
+    def state_apply(params: Params, state: Any, inputs: Any, key: jax.Array | None) -> tuple[Any, Any]:
+        outputs, module = run(params, state, inputs, key)
+        if key is None:
+            return outputs, state
+        new = nnx.to_pure_dict(nnx.state(module, kinds))
+        if _paths(new) != _paths(state):
+            raise ModelError(
+                f"Model {label} changed the structure of its state during a call (variables added or removed). "
+                "Fix: create every non-parameter variable in __init__."
+            )
+        return outputs, new
 
     axes = _plain_dict(nnx_axes(abstract_params))
     stages = None if stacked_layers is None else _nnx_stages(graphdef, abstract, stacked_layers, label)
-    return Model(init, apply, axes, label, dict(info or {}), stages)
+    if not kept:
+        return Model(init, apply, axes, label, dict(info or {}), stages)
+    refusing = _stateful_apply(label)
+    return Model(init, refusing, axes, label, dict(info or {}), stages, state_init=state_init, state_apply=state_apply)
+
+
+_TRAIN_FLAGS = {"deterministic": False, "use_running_average": False}
 
 
 def _train_unset(module: nnx.Module) -> None:
-    """Set ``deterministic=False`` on the submodules that leave it unset (``None``), as
-    ``model.train()`` would before a training loop (``nnx.MultiHeadAttention`` with dropout needs
-    one or the other); an explicit ``deterministic=True`` stays. ``module`` is this call's merged copy."""
+    """Set the mode flags that submodules leave unset (``None``) as ``model.train()`` would before a
+    training loop: ``deterministic=False`` (``nnx.MultiHeadAttention`` with dropout needs one or the
+    other) and ``use_running_average=False``; an explicit value stays. ``module`` is this call's
+    merged copy."""
     for _, sub in nnx.iter_modules(module):
-        if vars(sub).get("deterministic", False) is None:
-            setattr(sub, "deterministic", False)  # noqa: B010 - any module's attribute, not a declared one
+        for flag, value in _TRAIN_FLAGS.items():
+            if vars(sub).get(flag, False) is None:
+                setattr(sub, flag, value)
 
 
 def stream_values(streams: Sequence[tuple[Any, Any]], key: jax.Array | None) -> dict[str, Any]:
@@ -316,6 +378,11 @@ def _nnx_stages(graphdef: Any, abstract: nnx.Module, layers: str, label: str) ->
     return Stages(layers, embed, body, head, int(leaves[0].shape[0]))
 
 
+def _paths(tree: Any) -> list[str]:
+    """The leaves' paths of ``tree``, in order: two trees of the same structure have the same."""
+    return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def _plain_dict(tree: Any) -> Any:
     """An NNX ``State`` (a mapping) as nested plain dicts, leaves unchanged."""
     if isinstance(tree, Mapping):
@@ -348,6 +415,12 @@ def from_linen(
         module written as ``__call__(self, x, train: bool)``: ``{"train": True}``.
       eval_kwargs: the same when evaluating (no dropout key): ``{"train": False}``.
 
+    Collections a training call reads and writes back (``nn.BatchNorm``'s ``batch_stats``) are the
+    model's state (:attr:`Model.state_init`): a training step applies the module with them
+    mutable and keeps what it wrote; evaluation reads them (give ``eval_kwargs`` that make the
+    module use its running averages, else evaluating raises ``ModelError``). Collections it only
+    appends to (``sow``) are dropped.
+
     Example:
       >>> import flax.linen as nn, jax.numpy as jnp
       >>> model = from_linen(nn.Dense(4), jnp.zeros((1, 8)))
@@ -367,13 +440,19 @@ def from_linen(
     def init(key: jax.Array) -> Params:
         return nn.meta.unbox(boxed_init(key))
 
-    def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
+    def call(variables: Any, inputs: Any, key: jax.Array | None, mutable: Sequence[str]) -> Any:
         rngs = None if key is None else {"dropout": key}
         kwargs = evaluating if key is None else training
         if not boundaries:
-            return module.apply({"params": params}, inputs, rngs=rngs, **kwargs)
+            return module.apply(variables, inputs, rngs=rngs, mutable=list(mutable) or False, **kwargs)
         with batch_in_flight(inputs), linen_boundaries():
-            return constrain_outputs(module.apply({"params": params}, inputs, rngs=rngs, **kwargs), (inputs,))
+            out = module.apply(variables, inputs, rngs=rngs, mutable=list(mutable) or False, **kwargs)
+            if mutable:
+                return constrain_outputs(out[0], (inputs,)), out[1]
+            return constrain_outputs(out, (inputs,))
+
+    def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
+        return call({"params": params}, inputs, key, ())
 
     try:  # every collection, so that the check below need not trace init again
         variables = jax.eval_shape(
@@ -386,8 +465,27 @@ def from_linen(
             f"{label}.init with the example input failed: {e}. Fix: pass the other arguments of __call__ as "
             "train_kwargs={'train': True}, eval_kwargs={'train': False} (your names and values)."
         ) from e
-    _refuse_linen_state(module, example_inputs, training, variables, label)
-    return Model(init, apply, linen_axes(variables["params"]), label, dict(info or {}))
+    kept = _linen_state_collections(module, example_inputs, training, variables)
+    axes = linen_axes(variables["params"])
+    if not kept:
+        return Model(init, apply, axes, label, dict(info or {}))
+
+    def state_init(key: jax.Array) -> Any:
+        made = module.init({"params": key, "dropout": key}, *example_inputs, **training)
+        return {c: nn.meta.unbox(made[c]) for c in kept}
+
+    def state_apply(params: Params, state: Any, inputs: Any, key: jax.Array | None) -> tuple[Any, Any]:
+        if key is not None:
+            outputs, updated = call({"params": params, **state}, inputs, key, kept)
+            return outputs, {c: updated[c] for c in kept}
+        try:
+            return call({"params": params, **state}, inputs, None, ()), state
+        except flax_errors.ModifyScopeVariableError as e:
+            raise ModelError(LINEN_EVAL_WRITES.format(name=label, collections=list(kept), error=e)) from None
+
+    return Model(
+        init, _stateful_apply(label), axes, label, dict(info or {}), state_init=state_init, state_apply=state_apply
+    )
 
 
 def _call_kwargs(
@@ -400,22 +498,22 @@ def _call_kwargs(
     return dict(train_kwargs or {}), dict(eval_kwargs or {})
 
 
-def _refuse_linen_state(
-    module: nn.Module, example_inputs: Sequence[Any], kwargs: Mapping[str, Any], variables: Any, label: str
-) -> None:
-    """Raise ``ModelError`` if applying ``module`` with its params alone reads another of the
-    collections ``variables`` holds (``batch_stats``); collections it only writes (``sow``
-    intermediates) are harmless."""
+def _linen_state_collections(
+    module: nn.Module, example_inputs: Sequence[Any], kwargs: Mapping[str, Any], variables: Any
+) -> tuple[str, ...]:
+    """The collections besides ``params`` that are the module's state (``batch_stats``): those a
+    training call reads and writes back in the same structure. Collections it only appends to
+    (``sow`` intermediates, which grow with each call) are not state: they are left out, and
+    ``sow`` then stores nothing."""
     others = sorted(set(variables) - {"params"})
     if not others:
-        return
+        return ()
     key = jax.random.key(0)
-    try:
-        jax.eval_shape(
-            lambda p: module.apply({"params": p}, *example_inputs, rngs={"dropout": key}, **kwargs), variables["params"]
-        )
-    except (flax_errors.ScopeCollectionNotFound, flax_errors.ScopeVariableNotFoundError):
-        raise ModelError(LINEN_EXTRA_STATE.format(name=label, collections=others)) from None
+    _, updated = jax.eval_shape(
+        lambda v: module.apply(v, *example_inputs, rngs={"dropout": key}, mutable=others, **kwargs), variables
+    )
+    same = lambda c: c in updated and _paths(updated[c]) == _paths(variables[c])
+    return tuple(c for c in others if same(c))
 
 
 def annotate(model: Model, patterns: Sequence[RegexRule], *, override: bool = True, strict: bool = False) -> Model:

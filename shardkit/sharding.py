@@ -243,6 +243,8 @@ def plan_sharding(
         opt_state=follow_params(abstract_opt, abstract_params, update_specs),
         rng=replicated,
         master=update_specs if precision.master is not None else None,
+        # Running statistics are per channel (small) and every device's forward reads them whole.
+        model_state=jax.tree.map(lambda _: replicated, model.abstract_model_state()),
     )
     return ShardingPlan(
         resolved,

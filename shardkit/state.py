@@ -23,6 +23,8 @@ class TrainState:
         depend on the seed and the step only, never on the layout or on restarts.
       master: float32 master copy of the parameters under the ``bf16-master`` precision
         policy (the optimizer updates it; ``params`` is its bf16 image), else None.
+      model_state: the model's non-trainable state (``nnx.BatchNorm``'s running statistics,
+        Linen's ``batch_stats``), updated by each step's forward pass; None for a model without.
 
     Seeds: ``init(seed)`` splits ``jax.random.key(seed)`` in two; the first creates the
     parameters, the second is ``rng``.
@@ -33,3 +35,4 @@ class TrainState:
     opt_state: optax.OptState
     rng: jax.Array
     master: Params | None = None
+    model_state: Any = None

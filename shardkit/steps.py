@@ -1,6 +1,7 @@
 """The train step as small pure functions: gradient strategies and the update.
 
-A gradient strategy is a function ``(params, batch, key) -> (loss, count, grads)``:
+A gradient strategy is a function ``(params, model_state, batch, key) -> (loss, count, grads,
+model_state)`` (``model_state``: running statistics, None for most models):
 
 - :func:`plain_grads`: one pass over the whole batch;
 - ``shardkit.accumulation``: ``K`` microbatches in a ``lax.scan``, gradients summed in fp32;
@@ -25,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardkit.errors import LayoutError, PipelineError, ShardkitError
 from shardkit.losses import Batch, LossFn
 from shardkit.mesh import Layout
-from shardkit.model import Model, Params
+from shardkit.model import Model, Params, apply_model
 from shardkit.parallel.pipeline import pipeline_value_and_grad
 from shardkit.parallel.schedule import Schedule, make_schedule
 from shardkit.partition import path_str
@@ -35,7 +36,7 @@ from shardkit.rules import entry_axes
 from shardkit.sharding import ShardingPlan
 from shardkit.state import TrainState
 
-GradsFn = Callable[[Params, Batch, jax.Array], tuple[jax.Array, jax.Array, Params]]
+GradsFn = Callable[[Params, Any, Batch, jax.Array], tuple[jax.Array, jax.Array, Params, Any]]
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
 _KEY = "__dropout_key__"  # microbatch entry carrying each microbatch's key into the pipeline
 
@@ -69,6 +70,12 @@ def pipeline_schedule(
             )
         return None
     stages = model.stages
+    if model.state_init is not None:
+        raise PipelineError(
+            f"Layout {layout.spec()} pipelines model {model.name}, which keeps running statistics (batch "
+            "normalization): a stage cannot update them for the microbatches of another. Fix: drop stage from the "
+            "layout, or normalize without running statistics (LayerNorm, RMSNorm)."
+        )
     if stages is None:
         raise PipelineError(
             f"Layout {layout.spec()} pipelines the model over {p} stages, but model {model.name} "
@@ -120,26 +127,35 @@ def halted(state: TrainState, metrics: dict[str, jax.Array], in_a_row: int = 0) 
 
 
 def plain_grads(model: Model, loss: LossFn, precision: Precision) -> GradsFn:
-    """Loss, count and gradients of one (micro)batch; the forward runs in the compute dtype."""
+    """Loss, count, gradients and updated model state of one (micro)batch; the forward runs in
+    the compute dtype."""
 
-    def grads(params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
-        def loss_of(p: Params) -> tuple[jax.Array, jax.Array]:
+    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
+        def loss_of(p: Params) -> tuple[jax.Array, tuple[jax.Array, Any]]:
             compute_params = precision.cast_for_compute(p)
-            return loss(lambda inputs: model.apply(compute_params, inputs, key), batch)
+            held = {"state": model_state}  # what the (last) forward call left
 
-        (value, count), g = jax.value_and_grad(loss_of, has_aux=True)(params)
-        return value, count, g
+            def forward(inputs: Any) -> Any:
+                outputs, held["state"] = apply_model(model, compute_params, model_state, inputs, key)
+                return outputs
+
+            value, count = loss(forward, batch)
+            return value, (count, held["state"])
+
+        (value, (count, new_state)), g = jax.value_and_grad(loss_of, has_aux=True)(params)
+        return value, count, g, new_state
 
     return grads
 
 
-def make_eval(model: Model, loss: LossFn, precision: Precision) -> Callable[[Params, Batch], tuple[Any, Any]]:
-    """``evaluate(params, batch) -> (mean loss, count)``: the forward in the compute dtype, without
-    dropout, gradients or optimizer state (a held-out loss)."""
+def make_eval(model: Model, loss: LossFn, precision: Precision) -> Callable[[Params, Any, Batch], tuple[Any, Any]]:
+    """``evaluate(params, model_state, batch) -> (mean loss, count)``: the forward in the compute
+    dtype, without dropout, gradients or optimizer state (a held-out loss), reading the running
+    statistics in ``model_state`` (None for a model without)."""
 
-    def evaluate(params: Params, batch: Batch) -> tuple[Any, Any]:
+    def evaluate(params: Params, model_state: Any, batch: Batch) -> tuple[Any, Any]:
         compute_params = precision.cast_for_compute(params)
-        return loss(lambda inputs: model.apply(compute_params, inputs, None), batch)
+        return loss(lambda inputs: apply_model(model, compute_params, model_state, inputs, None)[0], batch)
 
     return evaluate
 
@@ -193,7 +209,7 @@ def pipelined_grads(
     p, m = schedule.stages * schedule.virtual_stages, schedule.microbatches  # p: virtual stages
     per_stage = stages.n_layers // p
 
-    def grads(params: Params, batch: Batch, key: jax.Array) -> tuple[jax.Array, jax.Array, Params]:
+    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
         micro = split_microbatches(batch, m, plan)
         micro[_KEY] = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(key, i)))(jnp.arange(m))
         layer_params = params[stages.layers]
@@ -238,7 +254,7 @@ def pipelined_grads(
                     plan.param_specs,
                     is_leaf=lambda x: isinstance(x, PartitionSpec),
                 )
-        return value, count, grads
+        return value, count, grads, model_state  # pipeline_schedule refuses models with state
 
     return grads
 
@@ -263,7 +279,7 @@ def make_step(
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        loss, count, grads = grads_fn(state.params, batch, key)
+        loss, count, grads, model_state = grads_fn(state.params, state.model_state, batch, key)
         target = state.master if state.master is not None else state.params
         grads = jax.tree.map(lambda g, t: g.astype(t.dtype), grads, target)
         if grads_to is not None:
@@ -275,7 +291,7 @@ def make_step(
             new = dataclasses.replace(state, params=precision.cast_for_storage(updated), master=updated)
         else:
             new = dataclasses.replace(state, params=updated)
-        new = dataclasses.replace(new, step=state.step + 1, opt_state=opt_state)
+        new = dataclasses.replace(new, step=state.step + 1, opt_state=opt_state, model_state=model_state)
         if nonfinite is not None:
             finite_grads = jax.tree.map(lambda g: jnp.all(jnp.isfinite(g)), grads)
             # The new parameters too: finite gradients can still give an overflowing update (a

@@ -210,14 +210,19 @@ class Trainer:
         return self._state_of(created, seed)
 
     def _state_of(self, created: Any, seed: int) -> TrainState:
-        _, rng = jax.random.split(jax.random.key(seed))
+        init_key, rng = jax.random.split(jax.random.key(seed))
         updated = self.precision.optimizer_copy(created)
+        model_state = None
+        if self.model.state_init is not None:
+            with use_sharding(self.mesh, self.rules):
+                model_state = self.model.state_init(init_key)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=self.precision.cast_for_storage(created),
             opt_state=self.optimizer.init(updated),
             rng=jax.random.key_data(rng),
             master=updated if self.precision.master is not None else None,
+            model_state=model_state,
         )
 
     def init(self, seed: int = 0, params: Any = None) -> TrainState:
@@ -328,27 +333,36 @@ class Trainer:
     def evaluate(self, params: Any, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """The loss of ``params`` (a state's ``.params``, or the state itself) on ``batch``: no
         dropout, no gradients, and a compiled program (once per batch shape) that holds no
-        optimizer state.
+        optimizer state. A model with running statistics (batch normalization) reads them from
+        the state, so pass the state.
 
         Returns:
           ``{"loss": mean loss, "tokens": tokens scored}``.
         """
+        model_state = None
+        if isinstance(params, TrainState):
+            params, model_state = params.params, params.model_state
+        elif self.model.state_init is not None:
+            raise InputError(
+                f"Model {self.model.name} keeps running statistics, which evaluation reads from the train state. "
+                "Fix: pass the state itself, trainer.evaluate(state, batch), not state.params."
+            )
         key = ("evaluate", *_batch_key(batch))
         if key not in self._compiled:
             batch_shardings = {k: NamedSharding(self.mesh, s) for k, s in self.batch_specs(batch).items()}
+            shardings = self.state_shardings
             jitted = jax.jit(
                 make_eval(self.model, self.loss, self.precision),
-                in_shardings=(self.state_shardings.params, batch_shardings),
+                in_shardings=(shardings.params, shardings.model_state, batch_shardings),
                 out_shardings=NamedSharding(self.mesh, PartitionSpec()),
             )
             abstract = {
                 k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k]) for k, v in batch.items()
             }
+            state = self.abstract_state()
             with use_sharding(self.mesh, self.rules), self._mesh_context():
-                self._compiled[key] = jitted.lower(self.abstract_state().params, abstract).compile()
-        if isinstance(params, TrainState):
-            params = params.params
-        loss, count = self._compiled[key](params, batch)
+                self._compiled[key] = jitted.lower(state.params, state.model_state, abstract).compile()
+        loss, count = self._compiled[key](params, model_state, batch)
         return {"loss": loss, "tokens": count}
 
     def step(self, state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:

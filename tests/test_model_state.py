@@ -1,8 +1,8 @@
 """Models written as Flax's own examples write them, beyond parameters: NNX modules that keep
 their dropout streams (``nnx.Dropout(rate, rngs=rngs)``) train under every layout with the bits
 of an independent one-device loop; ``train`` flags reach ``__call__`` by keyword; unset
-``deterministic`` flags train and evaluate as ``model.train()``/``model.eval()`` would; running
-statistics (BatchNorm), which shardkit does not train yet, are refused by name in NNX and Linen."""
+``deterministic`` flags train and evaluate as ``model.train()``/``model.eval()`` would (running
+statistics, BatchNorm's, are tested in test_batch_stats.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -109,30 +109,6 @@ def test_each_stored_stream_draws_its_own_bits_from_the_call_key():
     assert not np.array_equal(keys[0], keys[1])
 
 
-class BatchNormCNN(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.conv = nnx.Conv(1, 8, (3, 3), rngs=rngs)
-        self.bn = nnx.BatchNorm(8, rngs=rngs)
-        self.fc = nnx.Linear(8, 10, rngs=rngs)
-
-    def __call__(self, x):
-        return self.fc(nnx.relu(self.bn(self.conv(x))).mean(axis=(1, 2)))
-
-
-class LinenBatchNormCNN(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.BatchNorm(use_running_average=False)(nn.Conv(8, (3, 3))(x))
-        return nn.Dense(10)(nn.relu(x).mean(axis=(1, 2)))
-
-
-def test_running_statistics_are_refused_with_their_names():
-    with pytest.raises(ModelError, match=r"(?s)\['bn/mean', 'bn/var'\].*nnx.LayerNorm"):
-        sk.from_nnx(BatchNormCNN)
-    with pytest.raises(ModelError, match=r"(?s)\['batch_stats'\].*nn.LayerNorm"):
-        sk.from_linen(LinenBatchNormCNN(), jnp.zeros((1, 8, 8, 1)))
-
-
 def test_a_linen_model_that_only_sows_intermediates_is_accepted():
     class Sowing(nn.Module):
         @nn.compact
@@ -142,6 +118,7 @@ def test_a_linen_model_that_only_sows_intermediates_is_accepted():
             return nn.Dense(1)(h)
 
     model = sk.from_linen(Sowing(), jnp.zeros((2, 4)))
+    assert model.state_init is None  # appended to at each call: not state
     params = model.init(jax.random.key(0))
     assert model.apply(params, jnp.ones((2, 4)), None).shape == (2, 1)
 

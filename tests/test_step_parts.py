@@ -51,8 +51,9 @@ def test_gradient_strategies_share_one_signature_and_agree():
     plain = plain_grads(model, sk.next_token_loss, as_precision("fp32"))
     accumulated = accumulated_grads(plain, 4, p)
     with sk.use_sharding(p.mesh, p.rules):
-        loss_1, count_1, g_1 = jax.jit(plain)(params, batch, key)
-        loss_4, count_4, g_4 = jax.jit(accumulated)(params, batch, key)
+        loss_1, count_1, g_1, state_1 = jax.jit(plain)(params, None, batch, key)
+        loss_4, count_4, g_4, state_4 = jax.jit(accumulated)(params, None, batch, key)
+    assert state_1 is None and state_4 is None  # a model without running statistics
     assert int(count_1) == int(count_4) == 16 * 32
     np.testing.assert_allclose(float(loss_4), float(loss_1), rtol=1e-5)
     assert_trees_close(g_4, g_1, rtol=1e-4, atol=1e-6)
@@ -66,8 +67,8 @@ def test_make_step_applies_the_optimizer_and_the_guard_refuses_nan():
     step = make_step(plain_grads(model, sk.next_token_loss, as_precision("fp32")), tx, as_precision("fp32"), "skip")
     new, metrics = jax.jit(step)(state, {"tokens": jnp.asarray(TOKENS)})
     assert bool(metrics["finite"]) and int(new.step) == 1
-    _, _, grads = plain_grads(model, sk.next_token_loss, as_precision("fp32"))(
-        params, {"tokens": jnp.asarray(TOKENS)}, jax.random.fold_in(jax.random.key(1), 0)
+    _, _, grads, _ = plain_grads(model, sk.next_token_loss, as_precision("fp32"))(
+        params, None, {"tokens": jnp.asarray(TOKENS)}, jax.random.fold_in(jax.random.key(1), 0)
     )
     want = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)  # SGD by hand
     assert_trees_close(new.params, want, rtol=1e-5, atol=1e-6)
