@@ -182,13 +182,11 @@ def choose(
     info = Accumulation(reduce)
     axes = _row_axes(plan)
     reason = _layout_reason(plan, axes, reduce)
-    if model.state_init is not None:
-        reason = (
-            f"model {model.name} keeps running statistics (batch normalization), which must see each microbatch's "
-            "rows together, not each device's"
-        )
+    held = _model_reason(model)
+    if held:
         if reduce == "once":
-            raise ModelError(f"reduce_gradients='once': {reason}. Fix: use reduce_gradients='auto'.")
+            raise ModelError(f"reduce_gradients='once': {held}. Fix: use reduce_gradients='auto'.")
+        reason = held
     if reduce == "once" and reason:
         raise LayoutError(
             f"reduce_gradients='once' with layout {plan.layout.spec()}: {reason}. "
@@ -210,6 +208,21 @@ def choose(
         return (per_microbatch if found else once)(params, model_state, batch, key)
 
     return grads, info
+
+
+def _model_reason(model: Model) -> str:
+    """Why the model, by what it is, must see each microbatch's rows together ("" if not)."""
+    if model.state_init is not None:
+        return (
+            f"model {model.name} keeps running statistics (batch normalization), which must see each microbatch's "
+            "rows together, not each device's"
+        )
+    if model.axis_names:
+        return (
+            f"model {model.name} reduces over the named axes {', '.join(model.axis_names)} (written for pmap), "
+            "which a vmap over each device's rows would confine to those rows"
+        )
+    return ""
 
 
 def _row_axes(plan: ShardingPlan) -> tuple[str, ...]:

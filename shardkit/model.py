@@ -50,6 +50,10 @@ class Model:
       state_apply: ``(params, state, inputs, key_or_None) -> (outputs, state)``: a training call
         (a key) returns the updated state; an evaluating one (None) reads the state and returns
         it unchanged.
+      axis_names: named axes the model's own collectives use, as models written for ``pmap``
+        do (``BatchNorm(axis_name="batch")``); :func:`with_axis_names` binds each to an axis of
+        size 1 around ``init`` and ``apply``, since under ``jit`` every array is already the
+        global one (a batch mean is the whole batch's).
     """
 
     init: Callable[[jax.Array], Params]
@@ -61,6 +65,7 @@ class Model:
     notes: tuple[str, ...] = ()
     state_init: Callable[[jax.Array], Any] | None = None
     state_apply: Callable[[Params, Any, Any, jax.Array | None], tuple[Any, Any]] | None = None
+    axis_names: tuple[str, ...] = ()
 
     def abstract_params(self, seed: int = 0) -> Params:
         """Shapes and dtypes of the parameters (``ShapeDtypeStruct`` tree); allocates nothing."""
@@ -78,6 +83,51 @@ def apply_model(model: Model, params: Params, state: Any, inputs: Any, key: jax.
         return model.apply(params, inputs, key), state
     outputs, new = model.state_apply(params, state, inputs, key)
     return outputs, jax.tree.map(lambda n, o: n.astype(o.dtype), new, state)
+
+
+def with_axis_names(fn: Callable[..., Any], names: Sequence[str]) -> Callable[..., Any]:
+    """``fn`` with each of ``names`` bound to a mapped axis of size 1, so that collectives a
+    model written for ``pmap`` calls over them (``lax.pmean(x, "batch")``) run, as identities.
+
+    Under ``jit`` the model sees global arrays: a mean over the batch dimension is already the
+    whole batch's mean, which is what the ``pmap`` author's ``pmean`` over devices computed.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> f = with_axis_names(lambda x: jax.lax.pmean(x.mean(), "batch"), ["batch"])
+      >>> float(f(jnp.arange(4.0)))
+      1.5
+    """
+    if not names:
+        return fn
+
+    def bound(*args: Any) -> Any:
+        mapped = fn
+        for name in names:
+            mapped = jax.vmap(mapped, in_axes=None, axis_size=1, axis_name=name)
+        return jax.tree.map(lambda x: x.reshape(x.shape[len(names) :]), mapped(*args))
+
+    return bound
+
+
+_UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s.,;]+)")
+
+
+def axis_names_needed(trace: Callable[[Sequence[str]], Any], label: str) -> tuple[str, ...]:
+    """The named axes ``trace(names)`` needs bound: it is run with none, then with each axis
+    name a ``NameError`` reports unbound added, until it traces (``BatchNorm(axis_name=...)``
+    in Linen, known only when the module runs)."""
+    names: list[str] = []
+    for _ in range(8):
+        try:
+            trace(tuple(names))
+            return tuple(names)
+        except NameError as e:
+            found = _UNBOUND_AXIS.search(str(e))
+            if found is None or found.group(1) in names:
+                raise
+            names.append(found.group(1))
+    raise ModelError(f"Model {label} calls collectives over more than 8 named axes ({names}); shardkit binds up to 8.")
 
 
 def _stateful_apply(label: str) -> Callable[[Params, Any, jax.Array | None], Any]:
@@ -259,8 +309,10 @@ def from_nnx(
         with batch_in_flight(inputs), nnx_boundaries(module):
             return constrain_outputs(call(module, inputs, key), (inputs,)), module
 
+    names = _nnx_axis_names(abstract)
+
     def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
-        return run(params, None, inputs, key)[0]
+        return with_axis_names(lambda p, x, k: run(p, None, x, k)[0], names)(params, inputs, key)
 
     def state_init(key: jax.Array) -> Any:
         if instance is not None:
@@ -269,7 +321,7 @@ def from_nnx(
             module = make(nnx.Rngs(key))
         return nnx.to_pure_dict(nnx.state(module, kinds))
 
-    def state_apply(params: Params, state: Any, inputs: Any, key: jax.Array | None) -> tuple[Any, Any]:
+    def stateful_call(params: Params, state: Any, inputs: Any, key: jax.Array | None) -> tuple[Any, Any]:
         outputs, module = run(params, state, inputs, key)
         if key is None:
             return outputs, state
@@ -281,12 +333,26 @@ def from_nnx(
             )
         return outputs, new
 
+    state_apply = with_axis_names(stateful_call, names)
+
     axes = _plain_dict(nnx_axes(abstract_params))
     stages = None if stacked_layers is None else _nnx_stages(graphdef, abstract, stacked_layers, label)
     if not kept:
-        return Model(init, apply, axes, label, dict(info or {}), stages)
-    refusing = _stateful_apply(label)
-    return Model(init, refusing, axes, label, dict(info or {}), stages, state_init=state_init, state_apply=state_apply)
+        return Model(init, apply, axes, label, dict(info or {}), stages, axis_names=names)
+    stateful = Model(init, _stateful_apply(label), axes, label, dict(info or {}), stages, axis_names=names)
+    return dataclasses.replace(stateful, state_init=state_init, state_apply=state_apply)
+
+
+def _nnx_axis_names(module: nnx.Module) -> tuple[str, ...]:
+    """The named axes that submodules reduce over (``nnx.BatchNorm(axis_name="batch")``, written
+    for ``pmap`` or ``shard_map``), in order of first appearance."""
+    names: list[str] = []
+    for _, sub in nnx.iter_modules(module):
+        given = vars(sub).get("axis_name")
+        for name in (given,) if isinstance(given, str) else given if isinstance(given, tuple) else ():
+            if isinstance(name, str) and name not in names:
+                names.append(name)
+    return tuple(names)
 
 
 _TRAIN_FLAGS = {"deterministic": False, "use_running_average": False}
@@ -434,11 +500,8 @@ def from_linen(
             "True}, eval_kwargs={'train': False}."
         )
 
-    def boxed_init(key: jax.Array) -> Any:
-        return module.init({"params": key, "dropout": key}, *example_inputs, **training)["params"]
-
-    def init(key: jax.Array) -> Params:
-        return nn.meta.unbox(boxed_init(key))
+    def init_all(key: jax.Array) -> Any:  # every collection
+        return module.init({"params": key, "dropout": key}, *example_inputs, **training)
 
     def call(variables: Any, inputs: Any, key: jax.Array | None, mutable: Sequence[str]) -> Any:
         rngs = None if key is None else {"dropout": key}
@@ -451,13 +514,19 @@ def from_linen(
                 return constrain_outputs(out[0], (inputs,)), out[1]
             return constrain_outputs(out, (inputs,))
 
-    def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
-        return call({"params": params}, inputs, key, ())
+    traced: dict[str, Any] = {}
 
-    try:  # every collection, so that the check below need not trace init again
-        variables = jax.eval_shape(
-            lambda k: module.init({"params": k, "dropout": k}, *example_inputs, **training), jax.random.key(0)
-        )
+    def trace(names: Sequence[str]) -> None:
+        """Every collection's shapes after init and after a training call that may write them all
+        (Flax's BatchNorm reaches its ``axis_name`` only when applied, not at init)."""
+        key = jax.random.key(0)
+        traced["variables"] = variables = jax.eval_shape(with_axis_names(init_all, names), key)
+        others = sorted(set(variables) - {"params"})
+        training_call = with_axis_names(lambda v: call(v, example_inputs[0], key, others), names)
+        traced["updated"] = jax.eval_shape(training_call, variables)[1] if others else {}
+
+    try:
+        names = axis_names_needed(trace, label)
     except TypeError as e:
         if "argument" not in str(e):
             raise
@@ -465,13 +534,18 @@ def from_linen(
             f"{label}.init with the example input failed: {e}. Fix: pass the other arguments of __call__ as "
             "train_kwargs={'train': True}, eval_kwargs={'train': False} (your names and values)."
         ) from e
-    kept = _linen_state_collections(module, example_inputs, training, variables)
+    variables, updated = traced["variables"], traced["updated"]
+    init = with_axis_names(lambda key: nn.meta.unbox(init_all(key)["params"]), names)
+    apply = with_axis_names(lambda params, inputs, key: call({"params": params}, inputs, key, ()), names)
+    # State: the collections a training call reads and writes back in the same structure; those it
+    # only appends to (sow intermediates, growing at each call) are left out, and sow stores nothing.
+    kept = tuple(c for c in sorted(updated) if c in variables and _paths(updated[c]) == _paths(variables[c]))
     axes = linen_axes(variables["params"])
     if not kept:
-        return Model(init, apply, axes, label, dict(info or {}))
+        return Model(init, apply, axes, label, dict(info or {}), axis_names=names)
 
     def state_init(key: jax.Array) -> Any:
-        made = module.init({"params": key, "dropout": key}, *example_inputs, **training)
+        made = init_all(key)
         return {c: nn.meta.unbox(made[c]) for c in kept}
 
     def state_apply(params: Params, state: Any, inputs: Any, key: jax.Array | None) -> tuple[Any, Any]:
@@ -483,9 +557,9 @@ def from_linen(
         except flax_errors.ModifyScopeVariableError as e:
             raise ModelError(LINEN_EVAL_WRITES.format(name=label, collections=list(kept), error=e)) from None
 
-    return Model(
-        init, _stateful_apply(label), axes, label, dict(info or {}), state_init=state_init, state_apply=state_apply
-    )
+    bound_init, bound_apply = with_axis_names(state_init, names), with_axis_names(state_apply, names)
+    refusing, facts = _stateful_apply(label), dict(info or {})
+    return Model(init, refusing, axes, label, facts, state_init=bound_init, state_apply=bound_apply, axis_names=names)
 
 
 def _call_kwargs(
@@ -496,24 +570,6 @@ def _call_kwargs(
         if given is not None and not (isinstance(given, Mapping) and all(isinstance(k, str) for k in given)):
             raise ModelError(f"{what} for {label} must map argument names to values, got {short_repr(given)}.")
     return dict(train_kwargs or {}), dict(eval_kwargs or {})
-
-
-def _linen_state_collections(
-    module: nn.Module, example_inputs: Sequence[Any], kwargs: Mapping[str, Any], variables: Any
-) -> tuple[str, ...]:
-    """The collections besides ``params`` that are the module's state (``batch_stats``): those a
-    training call reads and writes back in the same structure. Collections it only appends to
-    (``sow`` intermediates, which grow with each call) are not state: they are left out, and
-    ``sow`` then stores nothing."""
-    others = sorted(set(variables) - {"params"})
-    if not others:
-        return ()
-    key = jax.random.key(0)
-    _, updated = jax.eval_shape(
-        lambda v: module.apply(v, *example_inputs, rngs={"dropout": key}, mutable=others, **kwargs), variables
-    )
-    same = lambda c: c in updated and _paths(updated[c]) == _paths(variables[c])
-    return tuple(c for c in others if same(c))
 
 
 def annotate(model: Model, patterns: Sequence[RegexRule], *, override: bool = True, strict: bool = False) -> Model:

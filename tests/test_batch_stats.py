@@ -231,3 +231,83 @@ def test_misuses_of_a_model_with_running_statistics_are_refused_with_the_fix():
     trainer = sk.Trainer(unflagged, optax.sgd(LR), "data=8", loss=classification)
     with pytest.raises(ModelError, match=r"(?s)writes its state \['batch_stats'\].*eval_kwargs"):
         trainer.evaluate(trainer.init(0), trainer.shard_batch(batch))
+
+
+class PmapResNetBlock(nn.Module):
+    """BatchNorm as Flax's ImageNet example writes it for ``pmap``: ``axis_name="batch"``, so that
+    each device's statistics are averaged over the devices."""
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5, axis_name="batch")
+        y = nn.relu(norm()(nn.Conv(8, (3, 3), use_bias=False)(x)))
+        y = norm()(nn.Conv(8, (3, 3), use_bias=False)(y))
+        return nn.Dense(10)(nn.relu(y + nn.Conv(8, (1, 1), use_bias=False)(x)).mean(axis=(1, 2)))
+
+
+def pmap_reference(batches, devices=8):
+    """The pmap training step of Flax's ImageNet example: parameters replicated, each device's
+    rows, gradients and BatchNorm statistics averaged over the ``batch`` axis."""
+    module = PmapResNetBlock()
+    init_key, _ = jax.random.split(jax.random.key(0))
+    variables = jax.jit(lambda k: module.init({"params": k}, jnp.zeros((1, 8, 8, 1)), train=False))(init_key)
+    tx = optax.sgd(LR)
+
+    def step(params, stats, opt_state, batch):
+        def loss_of(p):
+            logits, new = module.apply(
+                {"params": p, "batch_stats": stats}, batch["x"], train=True, mutable=["batch_stats"]
+            )
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), new["batch_stats"]
+
+        (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        grads, loss = jax.lax.pmean((grads, loss), "batch")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), stats, opt_state, loss
+
+    replicate = lambda tree: jax.tree.map(lambda x: jnp.stack([x] * devices), tree)
+    params, stats = replicate(variables["params"]), replicate(variables["batch_stats"])
+    opt_state, losses = replicate(tx.init(variables["params"])), []
+    pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:devices])
+    for batch in batches:
+        split = {k: v.reshape(devices, -1, *v.shape[1:]) for k, v in batch.items()}
+        params, stats, opt_state, loss = pstep(params, stats, opt_state, split)
+        losses.append(float(loss[0]))
+    return losses, jax.tree.map(lambda x: x[0], params), jax.tree.map(lambda x: x[0], stats)
+
+
+@pytest.mark.parametrize("layout", ["data=8", "fsdp=8"])
+def test_a_model_written_for_pmap_trains_as_its_pmap_step_does(layout):
+    """``axis_name="batch"`` needs no edit: shardkit binds the name to an axis of size 1 (under
+    ``jit`` the batch mean is already the global one) and the result is the pmap step's."""
+    batches = image_batches()
+    ref_losses, ref_params, ref_stats = pmap_reference(batches)
+    model = sk.from_linen(PmapResNetBlock(), jnp.zeros((1, 8, 8, 1)), **LINEN_FLAGS)
+    assert model.axis_names == ("batch",)
+    trainer = sk.Trainer(model, optax.sgd(LR), layout, loss=classification)
+    state, losses = train(trainer, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    assert_trees_close(state.params, ref_params, rtol=2e-4)
+    assert_trees_close(state.model_state["batch_stats"], ref_stats, rtol=2e-4)
+    assert np.isfinite(float(trainer.evaluate(state, trainer.shard_batch(batches[0]))["loss"]))
+    accumulating = sk.Trainer(model, optax.sgd(LR), layout, loss=classification, microbatches=2)
+    accumulating.step(accumulating.init(0), accumulating.shard_batch(batches[0]))
+    assert accumulating.accumulation.reduces == "per_microbatch"
+
+
+class NamedAxisCNN(TutorialCNN):
+    def __init__(self, rngs: nnx.Rngs, axis_name: str | None = "batch"):
+        super().__init__(rngs)
+        self.bn = nnx.BatchNorm(8, momentum=0.9, axis_name=axis_name, rngs=rngs)
+
+
+def test_an_nnx_batch_norm_with_an_axis_name_trains_as_one_device():
+    batches = image_batches()
+    ref_losses, ref_params, ref_stats, _ = nnx_reference(batches)  # TutorialCNN: the same, no axis name
+    model = sk.from_nnx(NamedAxisCNN)
+    assert model.axis_names == ("batch",)
+    trainer = sk.Trainer(model, optax.sgd(LR), "fsdp=8", loss=classification)
+    state, losses = train(trainer, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    assert_trees_close(state.params, ref_params, rtol=2e-4)
+    assert_trees_close(state.model_state, ref_stats, rtol=2e-4)
