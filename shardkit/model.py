@@ -111,23 +111,46 @@ def with_axis_names(fn: Callable[..., Any], names: Sequence[str]) -> Callable[..
 
 
 _UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s.,;]+)")
+_MISSING_RNG = re.compile(r'needs PRNG for "([^"]+)"')
 
 
-def axis_names_needed(trace: Callable[[Sequence[str]], Any], label: str) -> tuple[str, ...]:
-    """The named axes ``trace(names)`` needs bound: it is run with none, then with each axis
-    name a ``NameError`` reports unbound added, until it traces (``BatchNorm(axis_name=...)``
-    in Linen, known only when the module runs)."""
-    names: list[str] = []
-    for _ in range(8):
+def names_needed(trace: Callable[[Sequence[str], Sequence[str]], Any], label: str) -> tuple[tuple[str, ...], ...]:
+    """The named axes and the RNG streams ``trace(axis_names, rng_names)`` needs: it is run with
+    none, then with each name its errors report missing added (an unbound axis ``NameError``,
+    Flax's ``InvalidRngError``), until it traces. A Linen module shows both only when it runs
+    (``BatchNorm(axis_name=...)``, ``self.make_rng("noise")``).
+
+    Returns:
+      ``(axis_names, rng_names)``, each in the order found.
+    """
+    axes: list[str] = []
+    rngs: list[str] = []
+    for _ in range(16):
         try:
-            trace(tuple(names))
-            return tuple(names)
-        except NameError as e:
-            found = _UNBOUND_AXIS.search(str(e))
-            if found is None or found.group(1) in names:
+            trace(tuple(axes), tuple(rngs))
+            return tuple(axes), tuple(rngs)
+        except (NameError, flax_errors.InvalidRngError) as e:
+            pattern, found_in = (_UNBOUND_AXIS, axes) if isinstance(e, NameError) else (_MISSING_RNG, rngs)
+            found = pattern.search(str(e))
+            if found is None or found.group(1) in found_in:
                 raise
-            names.append(found.group(1))
-    raise ModelError(f"Model {label} calls collectives over more than 8 named axes ({names}); shardkit binds up to 8.")
+            found_in.append(found.group(1))
+    raise ModelError(
+        f"Model {label} needs more than 16 named axes and RNG streams ({axes}, {rngs}); shardkit provides up to 16."
+    )
+
+
+def linen_rngs(key: jax.Array, names: Sequence[str]) -> dict[str, jax.Array]:
+    """The RNG streams of a Linen call: ``dropout`` is the step's key, and each other stream the
+    module asks for (``self.make_rng("noise")``) is ``fold_in(key, i + 1)``, ``i`` its place in
+    ``names``.
+
+    Example:
+      >>> import jax
+      >>> sorted(linen_rngs(jax.random.key(0), ["noise"]))
+      ['dropout', 'noise']
+    """
+    return {"dropout": key, **{name: jax.random.fold_in(key, i + 1) for i, name in enumerate(names)}}
 
 
 def _stateful_apply(label: str) -> Callable[[Params, Any, jax.Array | None], Any]:
@@ -226,7 +249,7 @@ def from_nnx(
 
     Pass a constructor ``rngs -> module`` so that parameters are created already sharded, inside
     a jitted init (an existing module instance also works: its values are resharded from where
-    they are). The module's ``__call__(inputs, rngs=None)`` gets ``nnx.Rngs(dropout=key)`` when
+    they are). The module's ``__call__(inputs, rngs=None)`` gets ``rngs`` (:func:`nnx_rngs`) when
     the step has a key, if it accepts ``rngs``. RNG streams the module stores, as Flax's own
     examples write dropout (``nnx.Dropout(0.1, rngs=rngs)``), are not training state: at each
     call stream ``i`` is keyed ``fold_in(key, i)`` (:func:`stream_values`), so the bits depend on
@@ -294,7 +317,7 @@ def from_nnx(
     def call(module: nnx.Module, inputs: Any, key: jax.Array | None) -> Any:
         kwargs = evaluating if key is None else training
         if takes_rngs:
-            return module(inputs, rngs=None if key is None else nnx.Rngs(dropout=key), **kwargs)
+            return module(inputs, rngs=None if key is None else nnx_rngs(key), **kwargs)
         return module(inputs, **kwargs)
 
     def run(params: Params, state: Any, inputs: Any, key: jax.Array | None) -> tuple[Any, nnx.Module]:
@@ -341,6 +364,13 @@ def from_nnx(
         return Model(init, apply, axes, label, dict(info or {}), stages, axis_names=names)
     stateful = Model(init, _stateful_apply(label), axes, label, dict(info or {}), stages, axis_names=names)
     return dataclasses.replace(stateful, state_init=state_init, state_apply=state_apply)
+
+
+def nnx_rngs(key: jax.Array) -> nnx.Rngs:
+    """The ``rngs`` an NNX ``__call__`` gets in a training step: a ``dropout`` stream keyed by the
+    step's key, and a default stream (``fold_in(key, 1)``) that serves any other name the module
+    draws from (``rngs.noise()``)."""
+    return nnx.Rngs(jax.random.fold_in(key, 1), dropout=key)
 
 
 def _nnx_axis_names(module: nnx.Module) -> tuple[str, ...]:
@@ -500,11 +530,13 @@ def from_linen(
             "True}, eval_kwargs={'train': False}."
         )
 
+    streams: tuple[str, ...] = ()  # RNG streams besides dropout, found by the trace below
+
     def init_all(key: jax.Array) -> Any:  # every collection
-        return module.init({"params": key, "dropout": key}, *example_inputs, **training)
+        return module.init({"params": key, **linen_rngs(key, streams)}, *example_inputs, **training)
 
     def call(variables: Any, inputs: Any, key: jax.Array | None, mutable: Sequence[str]) -> Any:
-        rngs = None if key is None else {"dropout": key}
+        rngs = None if key is None else linen_rngs(key, streams)
         kwargs = evaluating if key is None else training
         if not boundaries:
             return module.apply(variables, inputs, rngs=rngs, mutable=list(mutable) or False, **kwargs)
@@ -516,17 +548,19 @@ def from_linen(
 
     traced: dict[str, Any] = {}
 
-    def trace(names: Sequence[str]) -> None:
+    def trace(names: Sequence[str], rng_names: Sequence[str]) -> None:
         """Every collection's shapes after init and after a training call that may write them all
         (Flax's BatchNorm reaches its ``axis_name`` only when applied, not at init)."""
-        key = jax.random.key(0)
+        nonlocal streams
+        streams, key = tuple(rng_names), jax.random.key(0)
         traced["variables"] = variables = jax.eval_shape(with_axis_names(init_all, names), key)
         others = sorted(set(variables) - {"params"})
         training_call = with_axis_names(lambda v: call(v, example_inputs[0], key, others), names)
-        traced["updated"] = jax.eval_shape(training_call, variables)[1] if others else {}
+        out = jax.eval_shape(training_call, variables)  # run always: init need not reach every name
+        traced["updated"] = out[1] if others else {}
 
     try:
-        names = axis_names_needed(trace, label)
+        names, streams = names_needed(trace, label)
     except TypeError as e:
         if "argument" not in str(e):
             raise

@@ -216,3 +216,52 @@ def test_a_training_step_sets_unset_deterministic_flags_and_keeps_explicit_ones(
     off = sk.from_nnx(SwitchedOff)
     params = off.init(jax.random.key(0))
     np.testing.assert_array_equal(off.apply(params, x, jax.random.key(1)), off.apply(params, x, None))
+
+
+class LinenNoise(nn.Module):
+    """Noise injection as Linen models write it: a stream of their own name."""
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        h = nn.Dense(32)(x)
+        if train:
+            h = h + jax.random.normal(self.make_rng("noise"), h.shape)
+        return nn.Dense(1)(nn.relu(h))
+
+
+class NNXNoise(nnx.Module):
+    """The same in NNX: ``rngs.noise()`` from the ``rngs`` passed to ``__call__``."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden, self.out = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 1, rngs=rngs)
+
+    def __call__(self, x, rngs: nnx.Rngs | None = None):
+        h = self.hidden(x)
+        if rngs is not None:
+            h = h + jax.random.normal(rngs.noise(), h.shape)
+        return self.out(nnx.relu(h))
+
+
+def test_rng_streams_of_any_name_draw_the_documented_bits_under_every_layout():
+    """A stream besides dropout is keyed ``fold_in(step_key, 1)`` (Linen: the i-th other name
+    ``fold_in(step_key, i + 1)``; NNX: the default stream), so a step draws the same bits under
+    every layout, as a one-device call with those keys does."""
+    batch = regression_batches()[0]
+    init_key, rng = jax.random.split(jax.random.key(0))
+    step_key = jax.random.fold_in(rng, 0)
+    x = jnp.asarray(batch["x"])
+    linen = sk.from_linen(LinenNoise(), jnp.zeros((1, 16)), train_kwargs={"train": True}, eval_kwargs={"train": False})
+    params = linen.init(init_key)
+    keys = {"dropout": step_key, "noise": jax.random.fold_in(step_key, 1)}
+    want = {"linen": LinenNoise().apply({"params": params}, x, train=True, rngs=keys)}
+    nnx_model = NNXNoise(nnx.Rngs(init_key))
+    want["nnx"] = nnx_model(x, rngs=nnx.Rngs(jax.random.fold_in(step_key, 1), dropout=step_key))
+    want = {k: float(jnp.mean((v[:, 0] - batch["y"]) ** 2)) for k, v in want.items()}
+    assert want["linen"] != pytest.approx(
+        float(jnp.mean((LinenNoise().apply({"params": params}, x, train=False)[:, 0] - batch["y"]) ** 2))
+    )
+    for name, model in (("linen", linen), ("nnx", sk.from_nnx(NNXNoise))):
+        for layout in ("data=8", "fsdp=8"):
+            trainer = sk.Trainer(model, optax.sgd(LR), layout, loss=squared_error)
+            _, metrics = trainer.step(trainer.init(0), trainer.shard_batch(batch))
+            assert float(metrics["loss"]) == pytest.approx(want[name], rel=1e-5), (name, layout)
