@@ -181,12 +181,10 @@ def choose(
         return reducing(()), Accumulation(reduce, "once")
     info = Accumulation(reduce)
     axes = _row_axes(plan)
-    reason = _layout_reason(plan, axes, reduce)
     held = _model_reason(model)
-    if held:
-        if reduce == "once":
-            raise ModelError(f"reduce_gradients='once': {held}. Fix: use reduce_gradients='auto'.")
-        reason = held
+    if held and reduce == "once":
+        raise ModelError(f"reduce_gradients='once': {held}. Fix: use reduce_gradients='auto'.")
+    reason = held or _layout_reason(plan, axes, reduce)
     if reduce == "once" and reason:
         raise LayoutError(
             f"reduce_gradients='once' with layout {plan.layout.spec()}: {reason}. "

@@ -114,7 +114,9 @@ _UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s.,;]+)")
 _MISSING_RNG = re.compile(r'needs PRNG for "([^"]+)"')
 
 
-def names_needed(trace: Callable[[Sequence[str], Sequence[str]], Any], label: str) -> tuple[tuple[str, ...], ...]:
+def names_needed(
+    trace: Callable[[Sequence[str], Sequence[str]], Any], label: str
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The named axes and the RNG streams ``trace(axis_names, rng_names)`` needs: it is run with
     none, then with each name its errors report missing added (an unbound axis ``NameError``,
     Flax's ``InvalidRngError``), until it traces. A Linen module shows both only when it runs
@@ -515,7 +517,10 @@ def from_linen(
     model's state (:attr:`Model.state_init`): a training step applies the module with them
     mutable and keeps what it wrote; evaluation reads them (give ``eval_kwargs`` that make the
     module use its running averages, else evaluating raises ``ModelError``). Collections it only
-    appends to (``sow``) are dropped.
+    appends to (``sow``) are dropped. Named axes a module written for ``pmap`` reduces over
+    (``nn.BatchNorm(axis_name="batch")``) are bound to axes of size 1 (:func:`with_axis_names`),
+    and RNG streams besides ``dropout`` (``self.make_rng("noise")``) are keyed from the step's key
+    (:func:`linen_rngs`); both are found by tracing ``init`` and one training call here.
 
     Example:
       >>> import flax.linen as nn, jax.numpy as jnp
