@@ -50,6 +50,9 @@ class CompiledStep(Protocol):
     update_specs: Any  # where the optimizer's copies live (param_specs, plus data under ZeRO)
     state_shardings: Any
 
+    @property
+    def compiler_options(self) -> dict[str, str | bool]: ...  # the XLA options its step compiles with
+
     def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled: ...
 
     def lower(self, batch: Mapping[str, Any]) -> jax.stages.Lowered: ...
@@ -278,7 +281,9 @@ def _compiled(trainer: CompiledStep, batch: dict[str, Any], params: Any) -> tupl
     if trainer.mesh.devices.flat[0].platform != "cpu" or not bf16:
         return trainer.compile(batch), None
     with tempfile.TemporaryDirectory(prefix="shardkit-partitioned-") as directory, partitioned.uncached():
-        compiled = trainer.lower(batch).compile(compiler_options=partitioned.dump_options(directory))
+        compiled = trainer.lower(batch).compile(
+            compiler_options={**trainer.compiler_options, **partitioned.dump_options(directory)}
+        )
         return compiled, partitioned.read(directory)
 
 

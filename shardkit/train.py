@@ -41,6 +41,7 @@ from shardkit.steps import (
     make_step,
     pipeline_schedule,
 )
+from shardkit.xla_flags import step_compiler_options
 
 __all__ = [
     "NonFiniteError",
@@ -320,6 +321,11 @@ class Trainer:
                     "Fix: mark the layout's axes explicit, e.g. 'fsdp=4:explicit,tensor=2'."
                 ) from e
 
+    @property
+    def compiler_options(self) -> dict[str, str | bool]:
+        """The XLA options the train step is compiled with (:func:`shardkit.xla_flags.step_compiler_options`)."""
+        return step_compiler_options(self.mesh.devices.flat[0].platform, self.plan.gathers_parameters)
+
     def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:
         """Compile (once per batch shape) the train step for batches shaped like ``batch``.
 
@@ -327,7 +333,7 @@ class Trainer:
         """
         key = _batch_key(batch)
         if key not in self._compiled:
-            self._compiled[key] = self.lower(batch).compile()
+            self._compiled[key] = self.lower(batch).compile(compiler_options=self.compiler_options)
         return self._compiled[key]
 
     def evaluate(self, params: Any, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:

@@ -10,6 +10,12 @@ The CPU backend ignores every ``xla_gpu_*`` flag and runs collectives synchronou
 CPU-compiled programs of the tests have no start/done pairs; :attr:`shardkit.hlo.Collective.asynchronous`
 reads them where a backend emits them.
 
+On the CPU backend one setting is chosen per program instead (:func:`step_compiler_options`):
+XLA:CPU's default scheduler orders a program for concurrency, which issues every FSDP parameter
+all-gather at the start of the step (they depend only on the parameters), so every layer's
+gathered weights are alive at once; its memory-minimizing scheduler gathers each layer where it
+is used. Data-parallel programs, which gather nothing, keep the default (less memory for them).
+
 Example:
   >>> with_overlap_flags("--xla_gpu_enable_latency_hiding_scheduler=false").split()[0]
   '--xla_gpu_enable_latency_hiding_scheduler=false'
@@ -62,3 +68,26 @@ def use_overlap_flags(environ: MutableMapping[str, str] = os.environ) -> bool:
         return False
     environ["XLA_FLAGS"] = with_overlap_flags(environ.get("XLA_FLAGS", ""))
     return True
+
+
+# XLA:CPU orders a program for concurrency by default (a breadth-first schedule); this option asks
+# for its memory-minimizing scheduler instead. (As a per-compile option only the scheduler type
+# takes effect; xla_cpu_enable_concurrency_optimized_scheduler=false does only in XLA_FLAGS.)
+CPU_MEMORY_SCHEDULER: dict[str, str | bool] = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
+def step_compiler_options(platform: str, gathers_parameters: bool) -> dict[str, str | bool]:
+    """Compiler options for one train step: the memory-minimizing CPU scheduler when the step
+    gathers parameters (an ``fsdp`` axis), else none.
+
+    Measured on the Gemma-style NNX model of ``examples/byo_models.py`` (4 layers, ``fsdp=8``):
+    temporary memory 58.83 MB with the default schedule, 54.86 MB with this one, against
+    51.87 MB for ``data=8`` (a layer's gathered weights are 3.8 MB).
+
+    Example:
+      >>> step_compiler_options("cpu", gathers_parameters=True)
+      {'xla_cpu_scheduler_type': 'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'}
+      >>> step_compiler_options("gpu", gathers_parameters=True)
+      {}
+    """
+    return dict(CPU_MEMORY_SCHEDULER) if platform == "cpu" and gathers_parameters else {}
