@@ -95,7 +95,7 @@ class ShardingPlan:
         """Whether some parameter is stored split over a mesh axis that also splits the batch
         (FSDP / ZeRO-3), so the step all-gathers it before use."""
         mesh_shape = dict(self.mesh.shape)
-        batch = {a for a in (self.rules["batch"] if "batch" in self.rules else ()) if mesh_shape.get(a, 1) > 1}
+        batch = {a for a in dict(self.rules.rules).get("batch", ()) if mesh_shape.get(a, 1) > 1}
         specs = jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         stored = {a for spec in specs for entry in spec for a in entry_axes(entry)}
         return bool(batch & stored)
