@@ -101,6 +101,13 @@ class ShardingPlan:
         return bool(batch & stored)
 
     @property
+    def stacks_layers(self) -> bool:
+        """Whether the parameters are stacked over a ``layers`` dimension (a scanned layer stack,
+        whose loop gathers one layer per iteration whatever the schedule)."""
+        axes = jax.tree.leaves(self.param_axes, is_leaf=lambda x: isinstance(x, Axes))
+        return any(a.names is not None and "layers" in a.names for a in axes)
+
+    @property
     def state_shardings(self) -> TrainState:
         """``NamedSharding`` tree of the train state."""
         return named(self.state_specs, self.mesh)

@@ -324,7 +324,8 @@ class Trainer:
     @property
     def compiler_options(self) -> dict[str, str | bool]:
         """The XLA options the train step is compiled with (:func:`shardkit.xla_flags.step_compiler_options`)."""
-        return step_compiler_options(self.mesh.devices.flat[0].platform, self.plan.gathers_parameters)
+        platform = self.mesh.devices.flat[0].platform
+        return step_compiler_options(platform, self.plan.gathers_parameters, self.plan.stacks_layers)
 
     def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:
         """Compile (once per batch shape) the train step for batches shaped like ``batch``.

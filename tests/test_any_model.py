@@ -156,6 +156,16 @@ def test_fsdp_steps_compile_with_the_memory_scheduler(kind):
     assert chosen <= data_temp + one_layer_bytes(fsdp, kind), (chosen, data_temp)
 
 
+def test_a_scanned_layer_stack_keeps_the_default_schedule():
+    # Its loop gathers one layer per iteration under any schedule; the default keeps dry runs'
+    # memory an exact fit across device counts (tests/test_extrapolate.py).
+    scanned = sk.models.GPTConfig.preset("tiny").model()
+    unrolled = dataclasses.replace(sk.models.GPTConfig.preset("tiny"), scan_layers=False).model()
+    assert sk.Trainer(scanned, optax.adamw(1e-3), "fsdp=8").compiler_options == {}
+    assert sk.Trainer(unrolled, optax.adamw(1e-3), "fsdp=8").compiler_options != {}
+    assert sk.Trainer(unrolled, optax.adamw(1e-3), "data=8").compiler_options == {}
+
+
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_without_boundaries_fsdp_reduces_activations(kind):
     """The failure the boundaries fix, kept visible: XLA splits activations like the weights."""
