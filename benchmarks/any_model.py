@@ -11,6 +11,7 @@ simulated CPU devices.
     python benchmarks/any_model.py                   # dim 256, 4 layers, batch 16 x 128
     python benchmarks/any_model.py --dim 64 --layers 2 --seq 32 --json benchmarks/results/any_model.json
     python benchmarks/any_model.py --layers 8 --remat   # each layer recomputed (nnx.remat / nn.remat)
+    python benchmarks/any_model.py --layers 8 --remat dots   # only the gathered weights recomputed
 """
 
 import argparse
@@ -75,7 +76,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--remat", action="store_true", help="the models recompute each layer in the backward pass")
+    parser.add_argument(
+        "--remat",
+        nargs="?",
+        const="full",
+        choices=["full", "dots"],
+        help="the models recompute each layer in the backward pass: everything (full), or all but the "
+        "matmul outputs (dots: jax.checkpoint_policies.dots_saveable, so FSDP gathers the weights again)",
+    )
     parser.add_argument("--json", default="benchmarks/results/any_model.json")
     args = parser.parse_args()
     cfg = LMConfig(
@@ -85,7 +93,8 @@ def main() -> None:
         kv_heads=2,
         head_dim=args.dim // 8,
         layers=args.layers,
-        remat=args.remat,
+        remat=args.remat is not None,
+        remat_policy=jax.checkpoint_policies.dots_saveable if args.remat == "dots" else None,
     )
     batch = {"tokens": jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)}
     rows = []

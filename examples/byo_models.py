@@ -9,6 +9,7 @@ and ``benchmarks/any_model.py``; ``byo_factories.py`` wraps them for shardkit.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,10 @@ class LMConfig:
     mlp: int = 256
     layers: int = 2
     remat: bool = False  # recompute each layer in the backward pass (nnx.remat, nn.remat)
+    # What the recomputation may keep (a jax.checkpoint_policies entry; None: nothing). With
+    # dots_saveable only the matmuls' inputs that are not matmul outputs are recomputed: under
+    # FSDP that is the gathered weights, gathered again in the backward pass as ZeRO-3 does.
+    remat_policy: Any = None
 
 
 def causal_attention(q, k, v):
@@ -121,7 +126,7 @@ class GemmaLM(nnx.Module):
             rngs=rngs,
         )
         self.layers = nnx.List([GemmaBlock(cfg, rngs=rngs) for _ in range(cfg.layers)])
-        self.remat = cfg.remat
+        self.remat, self.remat_policy = cfg.remat, cfg.remat_policy
         self.final_norm = nnx.RMSNorm(
             cfg.dim, scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("embed",)), rngs=rngs
         )
@@ -129,7 +134,8 @@ class GemmaLM(nnx.Module):
     def __call__(self, tokens):
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x = self.embed(tokens) * jnp.sqrt(self.embed.features).astype(jnp.float32)
-        block = nnx.remat(lambda layer, x: layer(x, positions)) if self.remat else lambda layer, x: layer(x, positions)
+        call = lambda layer, x: layer(x, positions)
+        block = nnx.remat(call, policy=self.remat_policy) if self.remat else call
         for layer in self.layers:
             x = block(layer, x)
         return self.embed.attend(self.final_norm(x))  # tied embedding
@@ -258,7 +264,7 @@ class LinenLM(nn.Module):
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
         )
         x = embed(tokens)
-        block = nn.remat(LinenBlock) if cfg.remat else LinenBlock
+        block = nn.remat(LinenBlock, policy=cfg.remat_policy) if cfg.remat else LinenBlock
         for i in range(cfg.layers):
             x = block(cfg, name=f"block_{i}")(x, positions)
         x = nn.RMSNorm(scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)))(x)

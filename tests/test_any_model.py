@@ -452,3 +452,30 @@ def flops_without_remat(cfg):
     """FLOPs per device of the same model without recomputation, under fsdp=8."""
     plain = sk.from_nnx(lambda rngs: GemmaLM(dataclasses.replace(cfg, remat=False), rngs=rngs))
     return sk.Trainer(plain, optax.adamw(3e-3), "fsdp=8").report(BATCH).flops_per_device
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_remat_policy_that_keeps_matmul_outputs_regathers_only_the_weights(kind):
+    # ZeRO-3 as DeepSpeed runs it (gathered weights freed after use, gathered again for the
+    # backward pass) is a memory policy the model states with its own remat: saving the matmul
+    # outputs (dots_saveable) leaves only the gathered weights and element-wise work to recompute.
+    cfg = dataclasses.replace(CFG, layers=4, remat=True, remat_policy=jax.checkpoint_policies.dots_saveable)
+    plain_cfg = dataclasses.replace(cfg, remat=False, remat_policy=None)
+    make = {
+        "nnx-gemma": lambda c: sk.from_nnx(lambda rngs: GemmaLM(c, rngs=rngs)),
+        "linen-lm": lambda c: sk.from_linen(LinenLM(c), jnp.zeros((2, T), jnp.int32)),
+    }[kind]
+    trainer = sk.Trainer(make(cfg), optax.adamw(3e-3), "fsdp=8")
+    fsdp, data = trainer.report(BATCH), sk.Trainer(make(cfg), optax.adamw(3e-3), "data=8").report(BATCH)
+    kept = sk.Trainer(make(plain_cfg), optax.adamw(3e-3), "fsdp=8").report(BATCH)
+    # The bound counts two gathers of every weight; the blocks are gathered twice, the embedding
+    # and head (outside the recomputed blocks) once.
+    assert kept.ratios["bytes"] < 0.75 < 0.85 <= fsdp.ratios["bytes"] <= 1.05, (kept.ratios, fsdp.ratios)
+    gathered, kept_gathered = (
+        sum(c.moved_bytes for c in r.collectives if c.kind == "all-gather" and c.axes == ("fsdp",))
+        for r in (fsdp, kept)
+    )
+    blocks = cfg.layers * one_layer_bytes(trainer, kind)
+    assert gathered - kept_gathered >= 0.95 * blocks * 7 / 8, "each block's weights are gathered again"
+    assert fsdp.flops_per_device == pytest.approx(kept.flops_per_device, rel=0.01), "no matmul runs twice"
+    assert fsdp.memory.temp <= data.memory.temp + one_layer_bytes(trainer, kind), (fsdp.memory.temp, data.memory.temp)
