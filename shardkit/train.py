@@ -323,7 +323,9 @@ class Trainer:
 
     @property
     def compiler_options(self) -> dict[str, str | bool]:
-        """The XLA options the train step is compiled with (:func:`shardkit.xla_flags.step_compiler_options`)."""
+        """The XLA options the train step (and evaluation) compile with: on the CPU, XLA's
+        memory-minimizing scheduler where the step gathers unrolled layers' weights
+        (:func:`shardkit.xla_flags.step_compiler_options`); otherwise none."""
         platform = self.mesh.devices.flat[0].platform
         return step_compiler_options(platform, self.plan.gathers_parameters, self.plan.stacks_layers)
 
@@ -368,7 +370,8 @@ class Trainer:
             }
             state = self.abstract_state()
             with use_sharding(self.mesh, self.rules), self._mesh_context():
-                self._compiled[key] = jitted.lower(state.params, state.model_state, abstract).compile()
+                lowered = jitted.lower(state.params, state.model_state, abstract)
+                self._compiled[key] = lowered.compile(compiler_options=self.compiler_options)
         loss, count = self._compiled[key](params, model_state, batch)
         return {"loss": loss, "tokens": count}
 
