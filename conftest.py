@@ -1,5 +1,15 @@
 """Doctests of the package (``pytest`` collects ``shardkit/`` too) see the same 8 simulated CPU
-devices as the tests, set before JAX starts its backend."""
+devices as the tests, set before JAX starts its backend, and compile with the tests' XLA flags
+(``tests/helpers.py:TEST_XLA_FLAGS``)."""
+
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "tests"))
+from helpers import TEST_XLA_FLAGS
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 import shardkit as sk
 

@@ -14,6 +14,13 @@ from flax import nnx
 
 import shardkit as sk
 
+# XLA_FLAGS of the test processes and of the processes they start: LLVM's optimisation of the CPU
+# code off. The tests' programs are tiny, so their time goes to compiling, mostly to LLVM, not to
+# running; this halves the suite's time on 2 cores. Nothing the tests read changes: the SPMD
+# partitioner, the collectives, buffer assignment and memory_analysis() all run before LLVM.
+# Benchmarks run by hand (and users) compile with XLA's default optimisation.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
 # The layouts of the core issue on 8 simulated devices: (layout, devices used).
 CORE_LAYOUTS = [
     ("data=1", 1),
@@ -137,5 +144,5 @@ def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "XLA_FLAGS": ""},
+        env={**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS},
     )

@@ -13,7 +13,7 @@ import pytest
 from byo_models import GemmaLM, LinenLM, LMConfig, MeshAxesMLP
 from flax import linen as nn
 from flax import nnx
-from helpers import assert_adam_params_close, reference_training, run_trainer
+from helpers import TEST_XLA_FLAGS, assert_adam_params_close, reference_training, run_trainer
 
 import shardkit as sk
 
@@ -303,7 +303,7 @@ def test_cli_dryrun_takes_package_module_factory():
 
     from conftest import EXAMPLES
 
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(EXAMPLES)}
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, "PYTHONPATH": str(EXAMPLES)}
     args = ["dryrun", "--model", "byo_factories:linen_lm", "--layout", "fsdp=2,tensor=2", "--batch", "8", "--seq", "32"]
     proc = subprocess.run(
         [sys.executable, "-m", "shardkit.cli", *args, "--json"], capture_output=True, text=True, env=env

@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers import TEST_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).parent.parent
-ENV = {**os.environ, "XLA_FLAGS": ""}
+ENV = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}
 
 
 def run(*cmd, timeout=600):

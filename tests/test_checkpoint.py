@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import assert_adam_params_close, assert_trees_close
+from helpers import TEST_XLA_FLAGS, assert_adam_params_close, assert_trees_close
 
 import shardkit as sk
 from shardkit.checkpoint import Checkpointer
@@ -82,7 +82,11 @@ for step in range(record["data_position"], 10):
 print(json.dumps(losses))
 """
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env={**os.environ, "XLA_FLAGS": ""}
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS},
     )
     assert proc.returncode == 0, proc.stderr
     np.testing.assert_allclose(json.loads(proc.stdout.strip().splitlines()[-1]), losses[5:], rtol=2e-5)
@@ -140,7 +144,7 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_pat
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        env={**os.environ, "XLA_FLAGS": ""},
+        env={**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS},
     )
     for line in proc.stdout:
         if line.startswith("SAVING 4"):
@@ -185,7 +189,7 @@ def test_cli_killed_then_resumed_under_another_layout(tmp_path):
         "--checkpoint-every",
         "5",
     ]
-    env = {**os.environ, "XLA_FLAGS": ""}
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}
     ckpt, log = tmp_path / "run", tmp_path / "a.jsonl"
     first = subprocess.Popen(
         [*base, "--layout", "fsdp=8", "--checkpoint-dir", str(ckpt), "--json-log", str(log)],

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import run_cli
+from helpers import TEST_XLA_FLAGS, run_cli
 
 import shardkit as sk
 from shardkit.progress import Progress
@@ -118,7 +118,7 @@ def test_readme_library_example_runs():
         capture_output=True,
         text=True,
         timeout=600,
-        env={**__import__("os").environ, "XLA_FLAGS": ""},
+        env={**__import__("os").environ, "XLA_FLAGS": TEST_XLA_FLAGS},
     )
     assert result.returncode == 0, result.stderr
     assert "blocks/attn/wqkv" in result.stdout

@@ -10,13 +10,14 @@ import time
 
 import numpy as np
 import pytest
+from helpers import TEST_XLA_FLAGS
 
 from shardkit import distributed
 from shardkit.errors import ShardkitError
 
 WORKER = str(pathlib.Path(__file__).parent / "mp_worker.py")
 HYBRID = "data=2,fsdp=2,tensor=2,across_hosts=data"
-ENV = {**os.environ, "XLA_FLAGS": ""}
+ENV = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}
 
 
 def launched(mode, layout, *extra, nproc=2, timeout=600):

@@ -11,9 +11,10 @@ import sys
 import time
 
 import pytest
+from helpers import TEST_XLA_FLAGS
 
 WORKER = str(pathlib.Path(__file__).parent / "launch_worker.py")
-ENV = {**os.environ, "XLA_FLAGS": "", "SHARDKIT_HEARTBEAT_S": "3"}
+ENV = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, "SHARDKIT_HEARTBEAT_S": "3"}
 
 
 def start(*args, nproc=2, extra=()):

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import TEST_XLA_FLAGS
 
 from shardkit.config import TrainConfig
 from shardkit.data import builtin_corpus
@@ -129,7 +130,7 @@ def test_resume_on_two_processes_continues_one_processs_data_order(tmp_path, tok
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "XLA_FLAGS": ""},
+        env={**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resumed from" in proc.stdout

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import TEST_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
@@ -24,8 +25,9 @@ TRAINING = re.compile(r"(shardkit train|scripts/train\.py)")
 
 
 def user_env() -> dict[str, str]:
-    """A user's environment: no simulated-device flags from this test process."""
+    """A user's environment: no simulated-device flags from this test process (only the tests' compile flags)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS
     env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
 

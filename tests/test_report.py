@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import TEST_XLA_FLAGS
 
 import shardkit as sk
 from shardkit import hlo
@@ -234,7 +235,7 @@ def test_inspect_cli_prints_all_sections():
         capture_output=True,
         text=True,
         timeout=600,
-        env={**__import__("os").environ, "XLA_FLAGS": ""},
+        env={**__import__("os").environ, "XLA_FLAGS": TEST_XLA_FLAGS},
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
