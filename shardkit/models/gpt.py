@@ -225,6 +225,36 @@ def unsplit(*names: str) -> bool:
     return all(sizes.get(axis, 1) == 1 for name in names for axis in known.get(name, ()))
 
 
+@jax.custom_vjp
+def rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x (N, K) @ w (K, M) -> (N, M)``, whose weight gradient is computed as ``(K, M)`` directly.
+
+    JAX differentiates ``x @ w`` into a ``(M, K)`` product and a transpose; XLA's CPU compiler
+    keeps both, and a dot whose output is the transposed weight ran 1.6x slower than one that
+    writes it as it is stored (``benchmarks/RESULTS.md``). The values are the same.
+
+    Example:
+      >>> x, w = jnp.ones((4, 3)), jnp.ones((3, 2))
+      >>> jax.grad(lambda w: rows_matmul(x, w).sum())(w).shape
+      (3, 2)
+    """
+    return x @ w
+
+
+def _rows_matmul_fwd(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return x @ w, (x, w)
+
+
+def _rows_matmul_bwd(saved: tuple[jax.Array, jax.Array], dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, w = saved
+    dx = jax.lax.dot_general(dy, w, (((1,), (1,)), ((), ())))  # (N, M) . (K, M) -> (N, K)
+    dw = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())))  # (N, K) . (N, M) -> (K, M)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+rows_matmul.defvjp(_rows_matmul_fwd, _rows_matmul_bwd)
+
+
 def token_matmul(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
     """``x (B, T, *c) @ w (*c, *out) -> (B, T, *out)`` as one 2-D matmul ``(B T, prod c) @ (prod c, prod out)``.
 
@@ -242,7 +272,7 @@ def token_matmul(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
     b, t = x.shape[:2]
     inner = x.shape[2:]
     outer = w.shape[contract:]
-    flat = x.reshape(b * t, -1) @ w.reshape(math.prod(inner), -1)
+    flat = rows_matmul(x.reshape(b * t, -1), w.reshape(math.prod(inner), -1))
     return flat.reshape(b, t, *outer)
 
 
