@@ -138,6 +138,14 @@ def test_cpu_vs_pytorch_benchmark_times_shardkit_without_pytorch(tmp_path):
         assert "PyTorch is not importable" in out
 
 
+def test_weight_grad_dot_benchmark_small(tmp_path):
+    small = ["--rows", "64", "--k", "16", "--m", "48", "--steps", "2"]
+    out = run(sys.executable, "benchmarks/weight_grad_dot.py", *small, "--json", str(tmp_path / "w.json"))
+    forms = json.loads((tmp_path / "w.json").read_text())["forms"]
+    assert forms["autodiff x @ w"]["dots"] == ["f32[48,16]"] and forms["rows_matmul"]["dots"] == ["f32[16,48]"]
+    assert forms["rows_matmul"]["speedup"] > 0 and "vs autodiff" in out
+
+
 @pytest.mark.slow
 def test_pipeline_benchmark_small(tmp_path):
     out = run(sys.executable, "benchmarks/pipeline.py", "--quick", "--json", str(tmp_path / "p.json"))
