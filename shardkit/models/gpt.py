@@ -227,11 +227,14 @@ def unsplit(*names: str) -> bool:
 
 @jax.custom_vjp
 def rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x (N, K) @ w (K, M) -> (N, M)``, whose weight gradient is computed as ``(K, M)`` directly.
+    """``x (N, K) @ w (K, M) -> (N, M)``, whose weight gradient's dot writes the narrower orientation.
 
-    JAX differentiates ``x @ w`` into a ``(M, K)`` product and a transpose; XLA's CPU compiler
-    keeps both, and a dot whose output is the transposed weight ran 1.6x slower than one that
-    writes it as it is stored (``benchmarks/RESULTS.md``). The values are the same.
+    The weight gradient contracts the N rows of ``x`` and of the output gradient (a dot neither
+    of whose operands is in the layout XLA's CPU matmul library takes, so Eigen runs it). Eigen
+    ran such a dot about 1.5x faster when its output has the fewer rows: ``(K, M)`` when
+    ``K <= M``, else ``(M, K)`` and a transpose (``benchmarks/weight_grad_dot.py``). JAX's own
+    derivative always writes ``(M, K)``, and under data parallelism the gradient's all-reduce
+    keeps XLA from folding the transpose away. The values are the same.
 
     Example:
       >>> x, w = jnp.ones((4, 3)), jnp.ones((3, 2))
@@ -247,8 +250,10 @@ def _rows_matmul_fwd(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple[jax.A
 
 def _rows_matmul_bwd(saved: tuple[jax.Array, jax.Array], dy: jax.Array) -> tuple[jax.Array, jax.Array]:
     x, w = saved
+    rows = (((0,), (0,)), ((), ()))  # contract the N rows of both operands
     dx = jax.lax.dot_general(dy, w, (((1,), (1,)), ((), ())))  # (N, M) . (K, M) -> (N, K)
-    dw = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())))  # (N, K) . (N, M) -> (K, M)
+    narrow_first = w.shape[0] <= w.shape[1]  # the dot writes (K, M) directly, else (M, K) then .T
+    dw = jax.lax.dot_general(x, dy, rows) if narrow_first else jax.lax.dot_general(dy, x, rows).T
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
