@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import shardkit as sk
+from shardkit import hlo
 from shardkit.errors import ModelError
 from shardkit.models import GPTConfig
 from shardkit.models.gpt import rows_matmul, token_matmul, unsplit
@@ -52,8 +53,8 @@ def test_the_weight_gradients_dot_writes_the_narrower_orientation(k, m):
             return jax.vjp(lambda w: f(x, w), w)[1](dy)[0]
 
         step = jax.jit(weight_grad, in_shardings=(rows, whole, rows), out_shardings=whole)
-        text = step.lower(x, w, dy).compile().as_text()
-        return {line.split("=")[1].split("{")[0].strip() for line in text.splitlines() if " dot(" in line}
+        program = hlo.parse(step.lower(x, w, dy).compile().as_text())
+        return {ins.shape.split("{")[0] for ins in program.instructions if ins.opcode == "dot"}
 
     assert dots(lambda a, b: a @ b) == {f"f32[{m},{k}]"}  # autodiff alone: always (M, K)
     assert dots(rows_matmul) == {f"f32[{min(k, m)},{max(k, m)}]"}
