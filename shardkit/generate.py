@@ -1,4 +1,4 @@
-"""Sample text from a trained language model (one compiled forward over a fixed window)."""
+"""Sample text from a trained language model: one compiled program for the whole continuation."""
 
 from __future__ import annotations
 
@@ -8,13 +8,69 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardkit.errors import InputError
 from shardkit.model import Model, Params
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _next_token_logits(model: Model, params: Params, window: jax.Array, position: jax.Array) -> jax.Array:
-    logits = model.apply(params, window, None)  # (1, T, V)
-    return jax.lax.dynamic_index_in_dim(logits[0], position, keepdims=False)  # (V,)
+@functools.partial(jax.jit, static_argnames=("model", "num_tokens", "window", "greedy"))
+def _continue(
+    model: Model,
+    params: Params,
+    buffer: jax.Array,
+    length: jax.Array,
+    key: jax.Array,
+    temperature: jax.Array,
+    *,
+    num_tokens: int,
+    window: int,
+    greedy: bool,
+) -> jax.Array:
+    """Fill ``buffer[length : length + num_tokens]`` token by token inside one loop.
+
+    A loop in Python paid a dispatch, a device-to-host copy and the sampler's own small programs
+    per token (13 s for 200 tokens of the tiny model on 2 cores, against 4.6 s for the training
+    step's compile); here the host waits once.
+
+    Args:
+      buffer: (L,) int32, L >= max(length + num_tokens, window); the prompt first, zeros after.
+      length: () int32, the prompt's length P >= 1.
+    """
+
+    def one(i, carry):
+        buffer, key = carry
+        end = length + i  # tokens so far
+        # The last `window` tokens, left-aligned: before `window` tokens exist, the zeros after
+        # `end` are the padding that causal attention never lets an earlier position see.
+        context = jax.lax.dynamic_slice_in_dim(buffer, jnp.maximum(end - window, 0), window)
+        logits = model.apply(params, context[None], None)[0]  # (window, V)
+        logits = jax.lax.dynamic_index_in_dim(logits, jnp.minimum(end, window) - 1, keepdims=False)
+        if greedy:
+            nxt = jnp.argmax(logits)
+        else:
+            key, sub = jax.random.split(key)
+            nxt = jax.random.categorical(sub, logits.astype(jnp.float32) / temperature)
+        return jax.lax.dynamic_update_index_in_dim(buffer, nxt.astype(jnp.int32), end, 0), key
+
+    buffer, _ = jax.lax.fori_loop(0, num_tokens, one, (buffer, key))
+    return buffer
+
+
+def _sampling_placement(params: Params) -> Params:
+    """Where the sampling loop reads the parameters: one device when the devices are simulated.
+
+    One sequence at a time is latency-bound. Simulated CPU devices share one host's memory, so
+    gathering the parameters onto one of them costs no device memory a real accelerator would
+    lack, and spares every token the training layout's per-layer collectives (the ``mini`` model,
+    200 tokens: 4.2 s sharded over ``data=2,fsdp=2,tensor=2``, 1.7 s on one device). Real
+    accelerators, and parameters spread over processes, keep the training layout.
+    """
+    leaves = jax.tree.leaves(params)
+    if jax.process_count() > 1 or not leaves or not all(isinstance(x, jax.Array) for x in leaves):
+        return params
+    devices = set().union(*(x.sharding.device_set for x in leaves))
+    if any(d.platform != "cpu" for d in devices):
+        return params
+    return jax.device_put(params, min(devices, key=lambda d: d.id))
 
 
 def generate(
@@ -29,9 +85,9 @@ def generate(
 ) -> np.ndarray:
     """Continue ``prompt`` by ``num_tokens`` tokens, sampling at ``temperature`` (0: greedy).
 
-    The model always sees a ``(1, window)`` array (left-aligned, padded with zeros), so one
-    compile serves every position; causal attention makes the padding after the current
-    position irrelevant.
+    The model always sees a ``(1, window)`` array: the last ``window`` tokens, left-aligned and
+    padded with zeros while fewer exist (causal attention makes the padding after the current
+    position irrelevant). The whole continuation is one compiled loop.
 
     Args:
       model: a shardkit Model whose ``apply`` maps tokens (1, T) to logits (1, T, V).
@@ -43,19 +99,35 @@ def generate(
       seed: sampling seed.
 
     Returns:
-      (P + num_tokens,) int32 tokens.
+      (P + num_tokens,) int32 tokens, the prompt first.
+
+    Example:
+      >>> import jax, numpy as np, shardkit as sk
+      >>> model = sk.models.GPTConfig.preset("tiny").model()
+      >>> params = model.init(jax.random.key(0))
+      >>> generate(model, params, np.array([1, 2, 3]), num_tokens=5, window=16).shape
+      (8,)
     """
-    tokens = list(np.asarray(prompt, dtype=np.int32))
-    key = jax.random.key(seed)
-    for _ in range(num_tokens):
-        context = tokens[-window:]
-        padded = np.zeros((1, window), np.int32)
-        padded[0, : len(context)] = context
-        logits = _next_token_logits(model, params, jnp.asarray(padded), jnp.int32(len(context) - 1))
-        if temperature == 0:
-            nxt = int(jnp.argmax(logits))
-        else:
-            key, sub = jax.random.split(key)
-            nxt = int(jax.random.categorical(sub, logits.astype(jnp.float32) / temperature))
-        tokens.append(nxt)
-    return np.asarray(tokens, np.int32)
+    prompt = np.asarray(prompt, dtype=np.int32).reshape(-1)
+    if len(prompt) == 0 or num_tokens < 0 or window < 1:
+        raise InputError(
+            f"generate needs a prompt of at least 1 token, num_tokens >= 0 and window >= 1; got "
+            f"{len(prompt)} prompt tokens, num_tokens={num_tokens}, window={window} "
+            "(an empty prompt can start from the data's first token)"
+        )
+    params = _sampling_placement(params)
+    length = len(prompt)
+    buffer = np.zeros(max(length + num_tokens, window), np.int32)
+    buffer[:length] = prompt
+    out = _continue(
+        model,
+        params,
+        jnp.asarray(buffer),
+        jnp.int32(length),
+        jax.random.key(seed),
+        jnp.float32(temperature if temperature > 0 else 1.0),
+        num_tokens=num_tokens,
+        window=window,
+        greedy=temperature == 0,
+    )
+    return np.asarray(out)[: length + num_tokens]
