@@ -14,12 +14,15 @@ from flax import nnx
 
 import shardkit as sk
 
-# XLA_FLAGS of the test processes and of the processes they start: LLVM's optimisation of the CPU
-# code off. The tests' programs are tiny, so their time goes to compiling, mostly to LLVM, not to
-# running; this halves the suite's time on 2 cores. Nothing the tests read changes: the SPMD
-# partitioner, the collectives, buffer assignment and memory_analysis() all run before LLVM.
-# Benchmarks run by hand (and users) compile with XLA's default optimisation.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# XLA_FLAGS of the test processes and of the processes they start. The tests' programs are tiny,
+# so their time goes to compiling the CPU code, not to running it:
+# - LLVM's optimisation of the CPU code off: halves the suite's time on 2 cores;
+# - XLA's elemental emitters instead of its MLIR fusion emitters: the tiny GPT's step compiles in
+#   2 s instead of 5-10 s (the fusion emitters were 97% of the compile; `jax.profiler` trace).
+# Nothing the tests read changes: the SPMD partitioner, fusion decisions, the collectives, buffer
+# assignment and memory_analysis() all run before either. Benchmarks run by hand (and users)
+# compile with XLA's defaults.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 # The layouts of the core issue on 8 simulated devices: (layout, devices used).
 CORE_LAYOUTS = [
