@@ -19,8 +19,9 @@ import shardkit as sk
 # - LLVM's optimisation of the CPU code off: halves the suite's time on 2 cores;
 # - XLA's elemental emitters instead of its MLIR fusion emitters: the tiny GPT's step compiles in
 #   2 s instead of 5-10 s (the fusion emitters were 97% of the compile; `jax.profiler` trace).
-# Nothing the tests read changes: the SPMD partitioner, fusion decisions, the collectives, buffer
-# assignment and memory_analysis() all run before either. Benchmarks run by hand (and users)
+# The SPMD partitioner, fusion decisions and the collectives run before either and do not change;
+# the emitters can move temp bytes by a few (128 of 3.9 MB in one dry run), so a test comparing
+# two compiles' bytes exactly compiles both sides alike (tests/test_extrapolate.py). Benchmarks run by hand (and users)
 # compile with XLA's defaults.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 

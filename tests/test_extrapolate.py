@@ -17,8 +17,12 @@ dr = importlib.import_module("shardkit.dryrun")  # the module, not the function 
 
 
 def compare(layout: str, model="tiny"):
-    """(full compile, extrapolated from the two halvings below it) for ``layout``."""
-    full = dr.dryrun(dr.DryRunConfig(model=model, layout=layout, batch=16, seq=64))
+    """(full compile, extrapolated from the two halvings below it) for ``layout``.
+
+    All three compile in subprocesses with XLA's default CPU options, as the extrapolation's own
+    compiles do: the tests' compile-time flags (elemental emitters) move temp bytes by a few
+    bytes, which would compare two compilers rather than the fit."""
+    full = dr._in_subprocess(dr.DryRunConfig(model=model, layout=layout, batch=16, seq=64))
     parsed = Layout.parse(layout)
     shrink = ex.shrink_plan(parsed, limit=parsed.num_devices // 2)
     parts = [
