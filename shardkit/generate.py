@@ -28,8 +28,8 @@ def _continue(
     """Fill ``buffer[length : length + num_tokens]`` token by token inside one loop.
 
     A loop in Python paid a dispatch, a device-to-host copy and the sampler's own small programs
-    per token (13 s for 200 tokens of the default `mini` model on 2 cores, against 4.6 s for the training
-    step's compile); here the host waits once.
+    per token (13 s for 200 tokens of the default ``mini`` model on 2 cores, against 4.6 s for
+    the training step's compile); here the host waits once.
 
     Args:
       buffer: (L,) int32, L >= max(length + num_tokens, window); the prompt first, zeros after.

@@ -21,8 +21,8 @@ import shardkit as sk
 #   2 s instead of 5-10 s (the fusion emitters were 97% of the compile; `jax.profiler` trace).
 # The SPMD partitioner, fusion decisions and the collectives run before either and do not change;
 # the emitters can move temp bytes by a few (128 of 3.9 MB in one dry run), so a test comparing
-# two compiles' bytes exactly compiles both sides alike (tests/test_extrapolate.py). Benchmarks run by hand (and users)
-# compile with XLA's defaults.
+# two compiles' bytes exactly compiles both sides alike (tests/test_extrapolate.py). Benchmarks
+# run by hand (and users) compile with XLA's defaults.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 # The layouts of the core issue on 8 simulated devices: (layout, devices used).

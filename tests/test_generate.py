@@ -85,3 +85,21 @@ def test_bad_sampling_requests_name_the_fix(tiny, prompt, num_tokens, window):
     model, params = tiny
     with pytest.raises(sk.errors.InputError, match="at least 1 token"):
         generate(model, params, np.array(prompt, np.int32), num_tokens, window)
+
+
+@pytest.mark.parametrize("factory", ["gemma_lm", "linen_lm"])
+def test_models_written_without_shardkit_sample_as_the_reference_does(factory):
+    """An NNX and a Linen LM with Flax's own metadata, trained layout fsdp=8: the loop's tokens are
+    the token-by-token reference's, and the program it compiles for them needs no collective."""
+    import byo_factories
+
+    model = getattr(byo_factories, factory)()
+    trainer = sk.Trainer(model, optax.sgd(0.1), "fsdp=8")
+    sharded = trainer.init(0).params
+    assert max(len(x.sharding.device_set) for x in jax.tree.leaves(sharded)) == 8
+    one_device = jax.device_put(sharded, jax.devices()[0])
+    got = generate(model, sharded, np.array([3, 1]), 10, WINDOW, temperature=0.8, seed=2)
+    assert got.tolist() == reference(model, one_device, [3, 1], 10, WINDOW, 0.8, seed=2)
+    args = (jnp.zeros(16, jnp.int32), jnp.int32(2), jax.random.key(0), jnp.float32(1.0))
+    text = _continue.lower(model, _sampling_placement(sharded), *args, num_tokens=4, window=WINDOW, greedy=False)
+    assert sum(hlo.count(text.compile().as_text()).values()) == 0
