@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from shardkit.dropout import dropout
@@ -295,9 +296,12 @@ class RMSNorm(nnx.Module):
 def rotary(x: jax.Array, theta: float) -> jax.Array:
     """Rotary position embedding of ``x`` (B, T, heads, K) by position along T."""
     t, k = x.shape[1], x.shape[-1]
-    freqs = theta ** (-jnp.arange(0, k, 2, dtype=jnp.float32) / k)  # (K/2,)
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None, :]  # (T, K/2)
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    # The angles depend only on static shapes: computed here once, they enter the program as
+    # constants. Traced, XLA evaluated cos and sin inside every fusion that reads them, forward
+    # and backward (a quarter of the backward pass's element-wise time on CPU).
+    freqs = np.float32(theta) ** (-np.arange(0, k, 2, dtype=np.float32) / np.float32(k))  # (K/2,)
+    angles = np.arange(t, dtype=np.float32)[:, None] * freqs[None, :]  # (T, K/2)
+    cos, sin = np.cos(angles)[None, :, None, :], np.sin(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # (B, T, heads, K/2) each
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
