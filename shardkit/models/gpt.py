@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -226,9 +227,14 @@ def unsplit(*names: str) -> bool:
     return all(sizes.get(axis, 1) == 1 for name in names for axis in known.get(name, ()))
 
 
-@jax.custom_vjp
-def rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rows_matmul(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
     """``x (N, K) @ w (K, M) -> (N, M)``, whose weight gradient's dot writes the narrower orientation.
+
+    ``w`` may keep more dimensions, ``(*c, *out)``: its first ``contract`` (of product K) meet
+    the columns of ``x`` and the rest (of product M) make the output's columns. It is saved for
+    the backward pass as given, so a layer stack scanned over stacked weights reads them back
+    from the stack instead of saving a reshaped copy of every layer's weights.
 
     The weight gradient contracts the N rows of ``x`` and of the output gradient (a dot neither
     of whose operands is in the layout XLA's CPU matmul library takes, so Eigen runs it). Eigen
@@ -242,20 +248,27 @@ def rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
       >>> jax.grad(lambda w: rows_matmul(x, w).sum())(w).shape
       (3, 2)
     """
-    return x @ w
+    return x @ _as_matrix(w, contract)
 
 
-def _rows_matmul_fwd(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return x @ w, (x, w)
+def _as_matrix(w: jax.Array, contract: int) -> jax.Array:
+    return w.reshape(math.prod(w.shape[:contract]), -1)  # (K, M)
 
 
-def _rows_matmul_bwd(saved: tuple[jax.Array, jax.Array], dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _rows_matmul_fwd(x: jax.Array, w: jax.Array, contract: int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return x @ _as_matrix(w, contract), (x, w)
+
+
+def _rows_matmul_bwd(
+    contract: int, saved: tuple[jax.Array, jax.Array], dy: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     x, w = saved
+    matrix = _as_matrix(w, contract)  # (K, M)
     rows = (((0,), (0,)), ((), ()))  # contract the N rows of both operands
-    dx = jax.lax.dot_general(dy, w, (((1,), (1,)), ((), ())))  # (N, M) . (K, M) -> (N, K)
-    narrow_first = w.shape[0] <= w.shape[1]  # the dot writes (K, M) directly, else (M, K) then .T
+    dx = jax.lax.dot_general(dy, matrix, (((1,), (1,)), ((), ())))  # (N, M) . (K, M) -> (N, K)
+    narrow_first = matrix.shape[0] <= matrix.shape[1]  # the dot writes (K, M) directly, else (M, K) then .T
     dw = jax.lax.dot_general(x, dy, rows) if narrow_first else jax.lax.dot_general(dy, x, rows).T
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    return dx.astype(x.dtype), dw.reshape(w.shape).astype(w.dtype)
 
 
 rows_matmul.defvjp(_rows_matmul_fwd, _rows_matmul_bwd)
@@ -278,7 +291,7 @@ def token_matmul(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
     b, t = x.shape[:2]
     inner = x.shape[2:]
     outer = w.shape[contract:]
-    flat = rows_matmul(x.reshape(b * t, -1), w.reshape(math.prod(inner), -1))
+    flat = rows_matmul(x.reshape(b * t, math.prod(inner)), w, contract)
     return flat.reshape(b, t, *outer)
 
 
