@@ -2,9 +2,12 @@
 2-D matmuls (only where no device split runs through the dimensions they merge) and the layer
 scan unrolled (the parameters still stacked)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import shardkit as sk
@@ -38,6 +41,36 @@ def test_rows_matmul_gradients_are_autodiffs(dtype):
     for got, want in zip(ours(dy), plain(dy), strict=True):
         assert got.dtype == want.dtype
         np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=2e-2 if dtype == jnp.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("w_shape,contract", [((8, 2, 3), 1), ((2, 4, 5), 2)])
+def test_rows_matmul_of_a_weight_with_more_dimensions_is_the_flat_product(w_shape, contract):
+    kx, kw, kd = jax.random.split(jax.random.key(2), 3)
+    k = int(np.prod(w_shape[:contract]))
+    x, w = jax.random.normal(kx, (12, k)), jax.random.normal(kw, w_shape)
+    dy = jax.random.normal(kd, (12, int(np.prod(w_shape[contract:]))))
+    out, ours = jax.vjp(lambda a, b: rows_matmul(a, b, contract), x, w)
+    want, plain = jax.vjp(lambda a, b: a @ b.reshape(k, -1), x, w)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(ours(dy), plain(dy), strict=True):
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_scanned_layer_stack_saves_no_reshaped_copy_of_its_weights():
+    """The scan's forward loop stacks what the backward pass needs from each layer; the weights
+    are read back from the parameters' own stack, not stacked again as 2-D copies."""
+    cfg = GPTConfig.preset("tiny")  # wqkv (64, 4, 4, 8) and w_gate_up (64, 2, 128)
+    trainer = sk.Trainer(cfg.model(), optax.sgd(0.1), "data=8")
+    program = trainer.compile({"tokens": jax.ShapeDtypeStruct((8, 33), jnp.int32)}).as_text()
+    loops = [line for line in program.splitlines() if " while(" in line and '/while"' in line]
+    forward = [line for line in loops if "transpose(" not in line]  # the backward's is transpose(jvp())
+    assert len(loops) == 2 and len(forward) == 1, loops
+    stacked = set(re.findall(r"f32\[\d+(?:,\d+)*\]", forward[0]))
+    layers = cfg.n_layers
+    assert f"f32[{layers},64,2,128]" in stacked  # the stacked parameter itself, carried through
+    for reshaped in (f"f32[{layers},64,256]", f"f32[{layers},64,128]", f"f32[{layers},64,64]"):
+        assert reshaped not in stacked, (reshaped, sorted(stacked))
 
 
 @pytest.mark.parametrize("k,m", [(16, 48), (48, 16)])
