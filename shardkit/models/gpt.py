@@ -259,9 +259,7 @@ def _rows_matmul_fwd(x: jax.Array, w: jax.Array, contract: int) -> tuple[jax.Arr
     return x @ _as_matrix(w, contract), (x, w)
 
 
-def _rows_matmul_bwd(
-    contract: int, saved: tuple[jax.Array, jax.Array], dy: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+def _rows_matmul_bwd(contract: int, saved: tuple[jax.Array, jax.Array], dy: jax.Array) -> tuple[jax.Array, jax.Array]:
     x, w = saved
     matrix = _as_matrix(w, contract)  # (K, M)
     rows = (((0,), (0,)), ((), ()))  # contract the N rows of both operands
