@@ -711,11 +711,15 @@ def build(cells) -> nbformat.NotebookNode:
     return nb
 
 
-def execute(nb: nbformat.NotebookNode, workdir: str, timeout: int = 900) -> nbformat.NotebookNode:
-    """Run ``nb`` in a fresh Python kernel from ``workdir``, on simulated devices it chooses itself."""
+def execute(nb: nbformat.NotebookNode, workdir: str, timeout: int = 900, xla_flags: str = "") -> nbformat.NotebookNode:
+    """Run ``nb`` in a fresh Python kernel from ``workdir``, on simulated devices it chooses itself.
+
+    ``xla_flags`` become the kernel's ``XLA_FLAGS`` (XLA's defaults when empty, as a reader's
+    kernel; the tests pass their faster-compiling flags).
+    """
     from nbclient import NotebookClient
 
-    os.environ["XLA_FLAGS"] = ""  # the notebook chooses its own device count
+    os.environ["XLA_FLAGS"] = xla_flags  # no device count: the notebook chooses its own
     os.environ.pop("MPLBACKEND", None)  # the kernel's inline backend: pictures in the outputs
     NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": workdir}}).execute()
     for cell in nb.cells:
