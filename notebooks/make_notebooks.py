@@ -719,9 +719,10 @@ def execute(nb: nbformat.NotebookNode, workdir: str, timeout: int = 900, xla_fla
     """
     from nbclient import NotebookClient
 
-    os.environ["XLA_FLAGS"] = xla_flags  # no device count: the notebook chooses its own
-    os.environ.pop("MPLBACKEND", None)  # the kernel's inline backend: pictures in the outputs
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": workdir}}).execute()
+    env = {**os.environ, "XLA_FLAGS": xla_flags}  # no device count: the notebook chooses its own
+    env.pop("MPLBACKEND", None)  # the kernel's inline backend: pictures in the outputs
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": workdir}})
+    client.execute(env=env)  # the kernel's environment; this process's own is left as it was
     for cell in nb.cells:
         cell.metadata.pop("execution", None)  # timestamps would change every run
     return nb

@@ -267,12 +267,34 @@ def _plan_workers(marker: str) -> list[int]:
     return found
 
 
+# SIGINT handled and not blocked in the planner, as a shell in a terminal starts a command: a test
+# runner's process need not be so, and a child inherits both an ignored and a blocked SIGINT (a
+# Python child then never raises KeyboardInterrupt). Set in the child itself: a preexec_fn would
+# fork this multithreaded (JAX) process.
+AS_IN_A_TERMINAL = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); sys.argv[0] = 'shardkit'; "
+    "runpy.run_module('shardkit.cli', run_name='__main__')"
+)
+
+
+def _signal_state(pid: int) -> str:
+    """The signal masks of ``pid`` (``SigBlk``, ``SigIgn``, ``SigCgt``: SIGINT is bit 1)."""
+    import pathlib
+
+    try:
+        lines = pathlib.Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError as e:
+        return f"no status of {pid}: {e}"
+    return " ".join(line for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
 def test_the_planner_shows_k_of_n_and_ctrl_c_prints_the_partial_table(tmp_path):
     import os
     import signal
     import time
 
-    cmd = [sys.executable, "-m", "shardkit.cli", "plan", "--model", "llama2-7b", "--devices", "64"]
+    cmd = [sys.executable, "-c", AS_IN_A_TERMINAL, "plan", "--model", "llama2-7b", "--devices", "64"]
     cmd += ["--hardware", "h100", "--batch", "256", "--seq", "4096", "--workers", "2"]
     env = {**os.environ, "SHARDKIT_CACHE": str(tmp_path)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -283,9 +305,10 @@ def test_the_planner_shows_k_of_n_and_ctrl_c_prints_the_partial_table(tmp_path):
         time.sleep(0.2)
     assert _plan_workers(str(tmp_path)), "the planner compiles in worker processes"
     time.sleep(3)
+    signals = _signal_state(proc.pid)  # what the planner does with SIGINT when it is sent
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
+    assert proc.returncode == 130, f"{signals}\n{out[-2000:]}\n{err[-2000:]}"
     assert "Traceback" not in err
     assert "(interrupted: partial table)" in out
     assert "interrupted before any plan was compiled" in out or "best: shardkit train" in out
