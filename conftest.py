@@ -14,3 +14,10 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".
 import shardkit as sk
 
 sk.simulate_devices(8)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked slow run first. Two workers then end together: a several-minute test
+    handed out last would leave the other worker idle for its whole length. (A test that shares
+    a module-scoped fixture with fast ones stays unmarked: split apart, they would build it twice.)"""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise

@@ -136,6 +136,7 @@ def deep_dropout_reference():
 
 
 @pytest.mark.parametrize("layout,reduce,schedule,virtual,cfg", PIPELINES)
+@pytest.mark.slow
 def test_pipeline_reduces_once_after_the_schedule(
     layout, reduce, schedule, virtual, cfg, dropout_reference, deep_dropout_reference
 ):
@@ -191,6 +192,7 @@ def byo_reference(kind: str) -> tuple[list[float], dict]:
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.slow
 def test_models_written_without_shardkit_reduce_once(kind):
     ref_losses, ref_params = byo_reference(kind)
     for layout, reduce in [("data=8", "auto"), ("fsdp=8", "once")]:

@@ -284,6 +284,7 @@ def test_annotate_overrides_only_what_it_matches():
 # -- dry runs for any model --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dryrun_takes_a_model_factory_here_and_in_a_subprocess():
     from byo_factories import gemma_lm
 
@@ -339,6 +340,7 @@ def test_dryrun_of_a_model_object_gives_a_short_error_for_another_device_count()
 # -- the planner for any model -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_plan_ranks_layouts_of_a_model_factory(tmp_path):
     from byo_factories import gemma_lm
 
@@ -434,6 +436,7 @@ def test_errors_about_a_model_print_short_reprs():
     assert all(repr(model)[:300] not in m for m in messages)
 
 
+@pytest.mark.slow
 def test_a_model_that_recomputes_its_layers_is_gathered_again_in_the_backward_pass():
     # The memory policy is the model's: with nnx.remat around each block, FSDP gathers each
     # layer's weights again for its backward pass (the bound counts both gathers; kept weights
@@ -455,6 +458,7 @@ def flops_without_remat(cfg):
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.slow
 def test_a_remat_policy_that_keeps_matmul_outputs_regathers_only_the_weights(kind):
     # ZeRO-3 as DeepSpeed runs it (gathered weights freed after use, gathered again for the
     # backward pass) is a memory policy the model states with its own remat: saving the matmul

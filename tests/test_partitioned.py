@@ -99,6 +99,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_a_persistent_compilation_cache_does_not_hide_the_partitioned_module(tmp_path):
     # JAX's persistent cache leaves dump options out of its key: a report whose dump compile
     # loaded the cached step would find no partitioned module and count the CPU's f32 bytes.

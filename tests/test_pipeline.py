@@ -130,6 +130,7 @@ def test_pipelined_moe_gpt_matches_single_device():
     np.testing.assert_allclose(losses, want, rtol=2e-5)  # the load-balancing loss of both stages counts
 
 
+@pytest.mark.slow
 def test_pipeline_draws_the_dropout_bits_of_gradient_accumulation():
     cfg = GPTConfig.preset("tiny", n_layers=4, dropout=0.2)
     accumulated = sk.Trainer(cfg.model(), optax.sgd(0.5), "data=4", microbatches=4, devices=jax.devices()[:4])
@@ -162,6 +163,7 @@ def test_stages_hold_their_layers_and_talk_by_collective_permute():
     assert any(c.kind == "all-reduce" and "stage" in c.axes for c in report.collectives)
 
 
+@pytest.mark.slow
 def test_1f1b_temporary_memory_stays_flat_while_gpipe_grows():
     def temp(schedule, m):
         trainer = sk.Trainer(CFG.model(), optax.sgd(0.1), "stage=2,data=4", microbatches=m, schedule=schedule)

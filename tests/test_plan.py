@@ -235,6 +235,7 @@ def test_the_analytic_estimate_tracks_the_compiled_step():
                 assert 0.5 < est.bytes_by_axes[axis] / compiled["bytes_by_axes"][axis] < 2, (layout, axis)
 
 
+@pytest.mark.slow
 def test_pruning_by_the_estimate_keeps_the_best_plan(tmp_path):
     options = PlanOptions(tensor=(1, 2), sequence=(1,), stage=(1,), remat=("none",), microbatches=(1,))
     everything = plan(
@@ -289,6 +290,7 @@ def _signal_state(pid: int) -> str:
     return " ".join(line for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
 
 
+@pytest.mark.slow
 def test_the_planner_shows_k_of_n_and_ctrl_c_prints_the_partial_table(tmp_path):
     import os
     import signal

@@ -134,6 +134,7 @@ def test_dropout_bits_do_not_depend_on_the_layout(layout, n, dropout_reference):
     np.testing.assert_allclose(losses, dropout_reference, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_dropout_is_on_and_follows_the_seed():
     no_dropout, _ = run_trainer(trainer(), BATCHES[:3])
     seed0, _ = run_trainer(trainer(cfg=DROPOUT), BATCHES[:3], seed=0)

@@ -43,6 +43,7 @@ def test_dataset_cut_by_a_tokenizer(tmp_path):
     assert ds.decode(ds.encode("def f(x):")) == "def f(x):"
 
 
+@pytest.mark.slow
 def test_cli_trains_a_tokenizer_and_the_main_job_uses_it(tmp_path):
     out = tmp_path / "tok.json"
     assert main(["tokenizer", "train", "--vocab", "512", "--out", str(out)]) == 0

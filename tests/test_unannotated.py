@@ -46,6 +46,7 @@ def one_device_losses():
         return losses
 
 
+@pytest.mark.slow
 def test_an_unannotated_model_gets_zero3_under_fsdp():
     model = sk.from_nnx(plain_lm)
     trainer = sk.Trainer(model, optax.adamw(LR), "fsdp=8")
