@@ -42,11 +42,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _is_gloo_chatter(line: str, after_chatter: bool) -> bool:
+    """Whether ``line`` is (a piece of) Gloo's connection message, printed once per CPU collective group.
+
+    Gloo writes "[Gloo] Rank R is connected to N peer ranks. Expected number of connected peer
+    ranks is : N" in several unbuffered pieces; groups that connect at once interleave them, so a
+    line may hold the middle of one message, or only its last number (dropped only right after a
+    line of Gloo's text).
+    """
+    if "[Gloo]" in line or "peer ranks" in line:
+        return True
+    return after_chatter and line.strip().isdigit()
+
+
 def _pump(rank: int, stream: TextIO, out: TextIO, tail: collections.deque[str], verbose: bool) -> None:
+    after_chatter = False  # the previous line held Gloo's text
     for line in iter(stream.readline, ""):
         tail.append(line)
-        if not verbose and line.startswith("[Gloo]"):  # connection chatter of every CPU collective group
-            continue
+        if not verbose:
+            drop = _is_gloo_chatter(line, after_chatter)
+            after_chatter = drop and not line.strip().isdigit()
+            if drop:
+                continue
         out.write(f"[rank {rank}] {line}")
         out.flush()
 

@@ -2,7 +2,7 @@
 
     python tests/mp_worker.py MODE LAYOUT [CHECKPOINT_DIR]
 
-MODE: train10 (10 steps), save5 (5 steps then a checkpoint), resume5 (restore step 5, 5 more),
+MODE: train10 (10 steps, then 16 greedy tokens sampled), save5 (5 steps then a checkpoint), resume5 (restore step 5, 5 more),
 report (collectives JSON), twice (initialize twice), hang (write the pid, then train forever).
 Rank 0 prints one JSON line starting with RESULT.
 """
@@ -26,6 +26,7 @@ import jax
 import optax
 
 from shardkit.checkpoint import Checkpointer
+from shardkit.generate import generate
 
 cfg = sk.models.GPTConfig.preset("tiny", dropout=0.1)
 trainer = sk.Trainer(cfg.model(), optax.adamw(3e-3), layout)
@@ -44,7 +45,9 @@ def run(state, steps):
 
 result = {"processes": jax.process_count(), "rank": jax.process_index(), "rows": [rows.start, rows.stop]}
 if mode in ("train10", "twice"):
-    _, result["losses"] = run(trainer.init(0), range(10))
+    state, result["losses"] = run(trainer.init(0), range(10))
+    prompt = data.tokens[:4]
+    result["sample"] = generate(trainer.model, state.params, prompt, 16, 32, temperature=0).tolist()
 elif mode == "save5":
     state, result["losses"] = run(trainer.init(0), range(5))
     ckpt = Checkpointer(sys.argv[3])
@@ -67,3 +70,5 @@ if jax.process_index() == 0:
     print("RESULT " + json.dumps(result), flush=True)
 else:
     print(f"rank {jax.process_index()} rows {rows.start}:{rows.stop}", flush=True)
+    if "sample" in result:
+        print(f"rank {jax.process_index()} sample {result['sample']}", flush=True)

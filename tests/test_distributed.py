@@ -58,17 +58,25 @@ def result_of(stdout):
 
 
 @pytest.fixture(scope="module")
-def one_process_losses():
-    return single("train10", "data=2,fsdp=2,tensor=2")["losses"]
+def one_process():
+    return single("train10", "data=2,fsdp=2,tensor=2")
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(one_process):
+    return one_process["losses"]
 
 
 @pytest.mark.slow
-def test_two_processes_train_like_one(one_process_losses):
+def test_two_processes_train_like_one(one_process):
     out, result = launched("twice", HYBRID)
     assert result["processes"] == 2
     # Each process read only its own rows of every batch.
     assert result["rows"] == [0, 4] and "[rank 1] rank 1 rows 4:8" in out
-    np.testing.assert_allclose(result["losses"], one_process_losses, rtol=2e-5)
+    np.testing.assert_allclose(result["losses"], one_process["losses"], rtol=2e-5)
+    # Sampling gathers the parameters into each process: both continue the prompt alike, as one process does.
+    assert f"[rank 1] rank 1 sample {result['sample']}" in out
+    assert result["sample"] == one_process["sample"] and len(result["sample"]) == 20
 
 
 @pytest.mark.slow

@@ -204,3 +204,27 @@ def test_several_nodes_need_a_coordinator():
         timeout=60,
     )
     assert result.returncode == 2 and "needs the same --coordinator host:port" in result.stderr
+
+
+def test_interleaved_pieces_of_gloos_message_are_dropped_and_the_rest_kept():
+    import collections
+    import io
+
+    from shardkit.launch import _pump
+
+    # Two collective groups connecting at once: Gloo's unbuffered pieces of two messages interleave.
+    raw = (
+        "step 1 loss 5.0\n"
+        "[Gloo] Rank [Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : "
+        "3 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"
+        "1\n"
+        "42\n"
+        "sample:\n"
+    )
+    out, tail = io.StringIO(), collections.deque(maxlen=10)
+    _pump(1, io.StringIO(raw), out, tail, verbose=False)
+    # A number the program prints itself (after a line of its own) stays.
+    assert out.getvalue() == "[rank 1] step 1 loss 5.0\n[rank 1] 42\n[rank 1] sample:\n"
+    loud = io.StringIO()
+    _pump(1, io.StringIO(raw), loud, tail, verbose=True)
+    assert loud.getvalue().count("[rank 1]") == 5
