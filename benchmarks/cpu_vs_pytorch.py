@@ -31,7 +31,7 @@ SHARDKIT_FORMS = {
 }
 
 
-def shardkit_worker(steps: int, form: dict) -> dict:
+def shardkit_worker(steps: int, warmup: int, form: dict) -> dict:
     import jax
     import numpy as np
     import optax
@@ -53,7 +53,7 @@ def shardkit_worker(steps: int, form: dict) -> dict:
     data = sk.TextDataset.builtin()
     batches = [trainer.shard_batch(data.batch(i, batch_size=BATCH, seq_len=SEQ)) for i in range(4)]
     state = trainer.init(0)
-    for b in batches[:3]:  # compile and warm up
+    for b in batches[:warmup]:  # compile and warm up
         state, metrics = trainer.step(state, b)
     jax.block_until_ready(metrics["loss"])
     start = time.perf_counter()
@@ -65,15 +65,15 @@ def shardkit_worker(steps: int, form: dict) -> dict:
     return {"tokens_per_s": BATCH * SEQ * steps / seconds, "parameters": params}
 
 
-def torch_worker(steps: int) -> dict:
+def torch_worker(steps: int, warmup: int) -> dict:
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_torch_rank, args=(2, steps, queue), nprocs=2, join=True)
+    mp.spawn(_torch_rank, args=(2, steps, warmup, queue), nprocs=2, join=True)
     return queue.get()
 
 
-def _torch_rank(rank: int, world: int, steps: int, queue) -> None:
+def _torch_rank(rank: int, world: int, steps: int, warmup: int, queue) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -146,7 +146,7 @@ def _torch_rank(rank: int, world: int, steps: int, queue) -> None:
         opt.step()
         return loss
 
-    for b in batches[:3]:
+    for b in batches[:warmup]:
         step(b)
     dist.barrier()
     start = time.perf_counter()
@@ -160,10 +160,10 @@ def _torch_rank(rank: int, world: int, steps: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def run_worker(python: str, worker: str, steps: int) -> dict:
+def run_worker(python: str, worker: str, steps: int, warmup: int) -> dict:
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
     proc = subprocess.run(
-        [python, os.path.abspath(__file__), "--worker", worker, "--steps", str(steps)],
+        [python, os.path.abspath(__file__), "--worker", worker, "--steps", str(steps), "--warmup", str(warmup)],
         capture_output=True,
         text=True,
         env=env,
@@ -182,15 +182,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--warmup", type=int, default=3, choices=range(1, 5), help="untimed steps first (compile included)"
+    )
     parser.add_argument("--torch-python", default=sys.executable, help="an interpreter with PyTorch installed")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", choices=(*SHARDKIT_FORMS, "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         result = (
-            torch_worker(args.steps)
+            torch_worker(args.steps, args.warmup)
             if args.worker == "torch"
-            else shardkit_worker(args.steps, SHARDKIT_FORMS[args.worker])
+            else shardkit_worker(args.steps, args.warmup, SHARDKIT_FORMS[args.worker])
         )
         print(json.dumps(result))
         return
@@ -202,7 +205,7 @@ def main() -> None:
     best: dict[str, dict] = {}
     for _ in range(args.rounds):  # alternate, so the machine's drift touches each side alike
         for name, python in runners.items():
-            result = run_worker(python, name, args.steps)
+            result = run_worker(python, name, args.steps, args.warmup)
             if name not in best or result["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = result
     print(f"{'run':20s} {'parameters':>12s} {'tokens/s':>10s} {'vs torch':>9s}")

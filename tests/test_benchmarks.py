@@ -128,6 +128,8 @@ def test_cpu_vs_pytorch_benchmark_times_shardkit_without_pytorch(tmp_path):
         "1",
         "--steps",
         "1",
+        "--warmup",
+        "1",
         "--json",
         str(tmp_path / "t.json"),
     )
