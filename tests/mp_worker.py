@@ -2,8 +2,9 @@
 
     python tests/mp_worker.py MODE LAYOUT [CHECKPOINT_DIR]
 
-MODE: train10 (10 steps, then 16 greedy tokens sampled), save5 (5 steps then a checkpoint), resume5 (restore step 5, 5 more),
-report (collectives JSON), twice (initialize twice), hang (write the pid, then train forever).
+MODE: train10 (10 steps, then 16 greedy tokens sampled), save5 (5 steps then a checkpoint),
+resume5 (restore step 5, 5 more), report (collectives JSON), twice (initialize twice), hang
+(write the pid, then train forever).
 Rank 0 prints one JSON line starting with RESULT.
 """
 
