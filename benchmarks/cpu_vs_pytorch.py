@@ -8,9 +8,11 @@ the same cores, alternating runs.
 The model on both sides: vocabulary 256 (bytes), d=256, 4 layers, 4 heads of 64, SwiGLU 1024,
 RMSNorm, rotary positions, untied head: 4.33M parameters; batch 16 x 128, fp32, AdamW. PyTorch
 is not a dependency of shardkit: without it (here or at ``--torch-python``) only shardkit runs.
-shardkit runs three ways: its layer stack scanned (the default), the scan unrolled with the
-parameters still stacked (``GPTConfig(scan_unroll=True)``), and the layers unrolled
-(``GPTConfig(scan_layers=False)``). Each run is its own process; the best of ``--rounds`` counts.
+shardkit runs four ways: its layer stack scanned (the default), the scan unrolled with the
+parameters still stacked (``GPTConfig(scan_unroll=True)``), the layers unrolled
+(``GPTConfig(scan_layers=False)``), and the default with glibc's allocator settings
+(``SHARDKIT_HOST_ALLOCATOR=system``: each step's host buffers mapped in 4 KB pages, not huge
+ones; page faults per step are printed). Each run is its own process; the best of ``--rounds`` counts.
 """
 
 import argparse
@@ -28,10 +30,16 @@ SHARDKIT_FORMS = {
     "shardkit": {},
     "shardkit-scan-unroll": {"scan_unroll": True},
     "shardkit-unrolled": {"scan_layers": False},
+    "shardkit-glibc-malloc": {},  # the default form, its host buffers in 4 KB pages (below)
 }
+# Worker name -> its setting of SHARDKIT_HOST_ALLOCATOR: glibc's defaults, each step's host buffers
+# mapped in 4 KB pages (the others start as the shardkit command would, shardkit.host_allocator).
+HOST_ALLOCATOR = {"shardkit-glibc-malloc": "system"}
 
 
 def shardkit_worker(steps: int, warmup: int, form: dict) -> dict:
+    import resource
+
     import jax
     import numpy as np
     import optax
@@ -56,13 +64,19 @@ def shardkit_worker(steps: int, warmup: int, form: dict) -> dict:
     for b in batches[:warmup]:  # compile and warm up
         state, metrics = trainer.step(state, b)
     jax.block_until_ready(metrics["loss"])
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     for i in range(steps):
         state, metrics = trainer.step(state, batches[i % len(batches)])
     jax.block_until_ready(metrics["loss"])
     seconds = time.perf_counter() - start
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-    return {"tokens_per_s": BATCH * SEQ * steps / seconds, "parameters": params}
+    return {
+        "tokens_per_s": BATCH * SEQ * steps / seconds,
+        "parameters": params,
+        "page_faults_per_step": faults / steps,  # the kernel mapping in fresh host memory
+    }
 
 
 def torch_worker(steps: int, warmup: int) -> dict:
@@ -162,6 +176,13 @@ def _torch_rank(rank: int, world: int, steps: int, warmup: int, queue) -> None:
 
 def run_worker(python: str, worker: str, steps: int, warmup: int) -> dict:
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+    if worker in SHARDKIT_FORMS:
+        from shardkit.host_allocator import with_huge_pages
+
+        env = with_huge_pages(env, HOST_ALLOCATOR.get(worker))
+        if worker in HOST_ALLOCATOR:  # glibc's defaults, whatever this shell asks for
+            tunables = env.get("GLIBC_TUNABLES", "").split(":")
+            env["GLIBC_TUNABLES"] = ":".join(t for t in tunables if t and not t.startswith("glibc.malloc.hugetlb="))
     proc = subprocess.run(
         [python, os.path.abspath(__file__), "--worker", worker, "--steps", str(steps), "--warmup", str(warmup)],
         capture_output=True,
@@ -175,7 +196,10 @@ def run_worker(python: str, worker: str, steps: int, warmup: int) -> dict:
 
 
 def torch_available(python: str) -> bool:
-    return subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0
+    try:
+        return subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0
+    except OSError:  # no such interpreter
+        return False
 
 
 def main() -> None:
@@ -208,10 +232,11 @@ def main() -> None:
             result = run_worker(python, name, args.steps, args.warmup)
             if name not in best or result["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = result
-    print(f"{'run':20s} {'parameters':>12s} {'tokens/s':>10s} {'vs torch':>9s}")
+    print(f"{'run':22s} {'parameters':>12s} {'tokens/s':>10s} {'vs torch':>9s} {'page faults/step':>17s}")
     for name, result in best.items():
         ratio = result["tokens_per_s"] / best["torch"]["tokens_per_s"] if "torch" in best else float("nan")
-        print(f"{name:20s} {result['parameters']:12,d} {result['tokens_per_s']:10,.0f} {ratio:9.3f}")
+        faults = f"{result['page_faults_per_step']:17,.0f}" if "page_faults_per_step" in result else f"{'':17s}"
+        print(f"{name:22s} {result['parameters']:12,d} {result['tokens_per_s']:10,.0f} {ratio:9.3f} {faults}")
     if args.json:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from _results import write_json

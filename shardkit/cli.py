@@ -292,6 +292,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
+        if argv is None:  # the command itself, not a call from Python
+            from shardkit.host_allocator import restart_with_huge_pages
+
+            restart_with_huge_pages()  # glibc reads its tunables at start: CPU steps map huge pages
         args = parse(argv)
         if args.command == "launch":
             from shardkit.launch import launch

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from shardkit.errors import ClusterError
+from shardkit.host_allocator import with_huge_pages
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _TAIL_LINES = 200  # lines of each rank's output kept to explain a failure
@@ -192,6 +193,7 @@ def _start(
     if devices_per_proc:
         child_env["SHARDKIT_LOCAL_DEVICES"] = str(devices_per_proc)
         child_env["JAX_PLATFORMS"] = "cpu"
+    child_env = with_huge_pages(child_env)  # CPU processes map their step buffers in huge pages
     p = subprocess.Popen(
         list(command),
         env=child_env,
