@@ -15,6 +15,7 @@ LAYERS = {
         "error_sites",
         "tensorboard",
         "xla_flags",
+        "host_allocator",
         "orbax_logs",
         "flags",
         "config",
