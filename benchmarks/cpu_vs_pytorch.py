@@ -11,7 +11,7 @@ is not a dependency of shardkit: without it (here or at ``--torch-python``) only
 shardkit runs four ways: its layer stack scanned (the default), the scan unrolled with the
 parameters still stacked (``GPTConfig(scan_unroll=True)``), the layers unrolled
 (``GPTConfig(scan_layers=False)``), and the default with glibc's allocator settings
-(``SHARDKIT_HOST_ALLOCATOR=system``: each step's host buffers mapped in 4 KB pages, not huge
+(no ``glibc.malloc.hugetlb`` tunable: each step's host buffers mapped in 4 KB pages, not huge
 ones; page faults per step are printed). Each run is its own process; the best of ``--rounds`` counts.
 """
 
@@ -32,9 +32,9 @@ SHARDKIT_FORMS = {
     "shardkit-unrolled": {"scan_layers": False},
     "shardkit-glibc-malloc": {},  # the default form, its host buffers in 4 KB pages (below)
 }
-# Worker name -> its setting of SHARDKIT_HOST_ALLOCATOR: glibc's defaults, each step's host buffers
-# mapped in 4 KB pages (the others start as the shardkit command would, shardkit.host_allocator).
-HOST_ALLOCATOR = {"shardkit-glibc-malloc": "system"}
+# Workers that run with glibc's defaults, each step's host buffers mapped in 4 KB pages (the others
+# start as the shardkit command would, shardkit.host_allocator).
+GLIBC_DEFAULTS = {"shardkit-glibc-malloc"}
 
 
 def shardkit_worker(steps: int, warmup: int, form: dict) -> dict:
@@ -177,12 +177,10 @@ def _torch_rank(rank: int, world: int, steps: int, warmup: int, queue) -> None:
 def run_worker(python: str, worker: str, steps: int, warmup: int) -> dict:
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
     if worker in SHARDKIT_FORMS:
-        from shardkit.host_allocator import with_huge_pages
+        from shardkit.host_allocator import with_huge_pages, without_huge_pages
 
-        env = with_huge_pages(env, HOST_ALLOCATOR.get(worker))
-        if worker in HOST_ALLOCATOR:  # glibc's defaults, whatever this shell asks for
-            tunables = env.get("GLIBC_TUNABLES", "").split(":")
-            env["GLIBC_TUNABLES"] = ":".join(t for t in tunables if t and not t.startswith("glibc.malloc.hugetlb="))
+        # glibc's defaults for the comparison form, whatever this shell asks for
+        env = without_huge_pages(env) if worker in GLIBC_DEFAULTS else with_huge_pages(env)
     proc = subprocess.run(
         [python, os.path.abspath(__file__), "--worker", worker, "--steps", str(steps), "--warmup", str(warmup)],
         capture_output=True,

@@ -100,12 +100,23 @@ def with_huge_pages(environ: Mapping[str, str] = os.environ, mode: str | None = 
     return env
 
 
+def without_huge_pages(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """A copy of ``environ`` without any ``glibc.malloc.hugetlb`` tunable: glibc's defaults (the
+    comparison the benchmarks make)."""
+    env = dict(environ)
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb=")]
+    env["GLIBC_TUNABLES"] = ":".join(tunables)
+    return env
+
+
 def restart_with_huge_pages() -> None:
     """Restart this Python process with the same arguments and :func:`with_huge_pages`'s
     environment, when that adds the tunable; return otherwise. Call first thing, before any
     thread or file exists that the restart would lose (the ``shardkit`` command does)."""
+    if not sys.platform.startswith("linux"):
+        return
     env = with_huge_pages()
-    if env.get("GLIBC_TUNABLES") == os.environ.get("GLIBC_TUNABLES") or not sys.platform.startswith("linux"):
+    if env.get("GLIBC_TUNABLES") == os.environ.get("GLIBC_TUNABLES"):
         return
     sys.stdout.flush()
     sys.stderr.flush()

@@ -129,15 +129,15 @@ def test_cpu_vs_pytorch_benchmark_times_shardkit_without_pytorch(tmp_path):
         "--steps",
         "1",
         "--warmup",
-        "3",  # the host heap grows to the step's buffers over the first steps, then holds
+        "3",  # untimed steps: compile, and the first mapping of each host buffer
         "--json",
         str(tmp_path / "t.json"),
     )
     best = json.loads((tmp_path / "t.json").read_text())["best"]
     assert set(best) >= {"shardkit", "shardkit-scan-unroll", "shardkit-unrolled", "shardkit-glibc-malloc"}
     assert all(r["tokens_per_s"] > 0 and r["parameters"] == 4_327_680 for r in best.values())
-    # glibc's defaults map each step's 210 MB of temporaries per device in anew: 51,262 pages a
-    # device; reused host buffers are already mapped.
+    # glibc's defaults map each step's 210 MB of temporaries per device in anew: 51,262 pages of
+    # 4 KB a device; huge pages map them 2 MB at a time.
     assert best["shardkit-glibc-malloc"]["page_faults_per_step"] > 2 * 40_000
     assert best["shardkit"]["page_faults_per_step"] < 0.05 * best["shardkit-glibc-malloc"]["page_faults_per_step"]
     if "torch" not in best:
