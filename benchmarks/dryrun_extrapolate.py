@@ -46,7 +46,7 @@ def extrapolated_below(model: str, layout: str, batch: int) -> dict:
 
     parsed = Layout.parse(layout)
     shrink = ex.shrink_plan(parsed, limit=parsed.num_devices // 2)
-    parts = [cli_dryrun(model, shrink.layout(parsed, size), batch)[0] for size in shrink.sizes]
+    parts = [cli_dryrun(model, shrink.layout(parsed, size), shrink.batch(batch, size))[0] for size in shrink.sizes]
     return ex.extrapolate(*parts, shrink, parsed)
 
 

@@ -191,14 +191,25 @@ def dryrun(
 
 def _extrapolated(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> dict[str, Any]:
     """A layout of more devices than the CPU compiler takes: two compiles with its fsdp or data
-    axis halved, in subprocesses side by side, and the fit of :mod:`shardkit.extrapolate`."""
+    axis (and the global batch with it) halved, in subprocesses side by side, and the fit of
+    :mod:`shardkit.extrapolate`."""
     layout = Layout.parse(cfg.layout)
     if any(size == -1 for _, size in layout.sizes):
         layout = layout.resolve(cfg.num_devices())
     shrink = shrink_plan(layout)
+    sizes = dict(layout.sizes)
+    split = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1) * cfg.microbatches
+    if cfg.batch % split:  # the default rules split the batch's rows over these axes
+        raise LayoutError(
+            f"--batch {cfg.batch} does not split over layout {layout.spec()}: data x fsdp x expert x microbatches "
+            f"= {split}, and every device needs whole rows. Fix: a batch that is a multiple of {split}."
+        )
     if factory is not None:
         cfg = dataclasses.replace(cfg, model=factory_ref(factory))
-    smaller = [dataclasses.replace(cfg, layout=shrink.layout(layout, size), devices=None) for size in shrink.sizes]
+    smaller = [
+        dataclasses.replace(cfg, layout=shrink.layout(layout, size), batch=shrink.batch(cfg.batch, size), devices=None)
+        for size in shrink.sizes
+    ]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         small, large = pool.map(_in_subprocess, smaller)
     result = extrapolate(small, large, shrink, layout)

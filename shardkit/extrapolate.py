@@ -3,20 +3,23 @@
 XLA's CPU backend compiles programs of at most 2048 partitions (beyond that it answers
 "Multiprocess computations aren't implemented on the CPU backend"). A layout of more devices is
 dry-run by compiling it twice with one batch axis (``fsdp`` or ``data``, the larger) made smaller,
-``n1 < n2``, everything else as given: the same model, global batch and other axes. Along that
-axis every figure of the report has the form ``a + b / n``:
+``n1 < n2``, and the global batch made smaller with it, so that every device holds the rows it
+holds in the full layout; the model and the other axes stay as given. Along that axis every
+per-device figure of the report has the form ``a + b / n``:
 
+- activations and the batch are the same on every device at every ``n`` (``a``);
 - sharded state (parameters, gradients, optimizer state, under ``fsdp``) is ``b / n``;
-- activations are the global batch over the batch axes, ``b / n``; a gathered layer is ``a``;
 - a ring collective over ``n`` devices moves ``(n - 1) / n`` of its payload, ``a + b / n``, and a
   collective over the other axes moves payloads that are ``b / n`` or constant;
-- FLOPs per device are ``b / n``.
+- FLOPs per device are constant (the rows) plus ``b / n`` (the sharded optimizer update).
 
-So the two compiles fix ``a`` and ``b`` for every number, and the full size is read off the fit.
-The result says so (``extrapolated``), and the structure of the two programs (which collectives,
-how many) must agree, or the dry run refuses instead of guessing. ``tests/test_extrapolate.py``
-checks the fit against full compiles wherever those can be made, and
-``benchmarks/dryrun_scale.py`` at sizes up to the limit.
+Under ``data`` the two programs are the full layout's per-device program with smaller replica
+groups, so memory and FLOPs come out exact. The two compiles fix ``a`` and ``b`` for every
+number, and the full size is read off the fit; the model's FLOPs per step, a whole-batch figure,
+scale with the batch instead. The result says so (``extrapolated``), and the structure of the
+two programs (which collectives, how many) must agree, or the dry run refuses instead of
+guessing. ``tests/test_extrapolate.py`` checks the fit against full compiles wherever those can
+be made, and ``benchmarks/dryrun_extrapolate.py`` at sizes up to the limit.
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ from shardkit.mesh import Layout
 
 MAX_COMPILED_DEVICES = 2048  # XLA:CPU's limit on the partitions of one program
 BATCH_AXES = ("fsdp", "data")  # axes whose size can shrink with the per-device shards kept in 1/n form
+_WHOLE_BATCH = {"model_flops_per_step"}  # proportional to the global batch, so to n
 _KEY_FIELDS = ("kind", "axes", "op", "direction", "lowered_as", "asynchronous", "crosses_hosts")
 _FIXED = {"devices", "parameters", "microbatches", "count", "group_size"}  # not fitted
 
 
 @dataclasses.dataclass(frozen=True)
 class Shrink:
-    """Compile ``axis`` at ``sizes[0]`` and ``sizes[1]`` instead of ``full``."""
+    """Compile ``axis`` at ``sizes[0]`` and ``sizes[1]`` instead of ``full``, each with the
+    global batch of :meth:`batch`."""
 
     axis: str
     full: int
@@ -45,6 +50,10 @@ class Shrink:
     def layout(self, layout: Layout, size: int) -> str:
         """``layout`` with ``axis`` resized to ``size``, as a layout string."""
         return re.sub(rf"\b{self.axis}=\d+", f"{self.axis}={size}", layout.spec())
+
+    def batch(self, global_batch: int, size: int) -> int:
+        """The global batch at ``axis=size`` that gives each device the rows it has at ``full``."""
+        return global_batch * size // self.full
 
 
 def shrink_plan(layout: Layout, limit: int = MAX_COMPILED_DEVICES) -> Shrink:
@@ -84,7 +93,8 @@ def extrapolate(small: dict[str, Any], large: dict[str, Any], shrink: Shrink, la
     """The dry-run result of ``layout`` from those of the two smaller compiles.
 
     Args:
-      small, large: dry-run results (``Report.to_dict()`` and extras) at ``shrink.sizes``.
+      small, large: dry-run results (``Report.to_dict()`` and extras) at ``shrink.sizes``, each
+        compiled with the global batch ``shrink.batch(batch, size)``.
       shrink: the axis and sizes they were compiled at.
       layout: the full layout.
 
@@ -107,6 +117,8 @@ def extrapolate(small: dict[str, Any], large: dict[str, Any], shrink: Shrink, la
             return {k: fitted(a[k], b[k], k) if k in b else a[k] for k in a}
         if isinstance(a, bool) or not isinstance(a, (int, float)) or name in _FIXED or a is None:
             return b
+        if name in _WHOLE_BATCH:
+            return b * n / n2
         value = _fit(float(a), float(b), n1, n2, n)
         return round(value) if isinstance(a, int) else value
 
@@ -138,6 +150,6 @@ def extrapolate(small: dict[str, Any], large: dict[str, Any], shrink: Shrink, la
         "from_devices": [small["devices"], large["devices"]],
         "host_memory_bytes": [small.get("peak_host_memory_bytes", 0), large.get("peak_host_memory_bytes", 0)],
         "text": f"extrapolated from {small['devices']:,} and {large['devices']:,} devices "
-        f"({shrink.axis}={n1} and {n2}; every figure fitted as a + b/{shrink.axis})",
+        f"({shrink.axis}={n1} and {n2}, the same rows per device; every figure fitted as a + b/{shrink.axis})",
     }
     return result

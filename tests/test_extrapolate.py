@@ -26,7 +26,9 @@ def compare(layout: str, model="tiny"):
     parsed = Layout.parse(layout)
     shrink = ex.shrink_plan(parsed, limit=parsed.num_devices // 2)
     parts = [
-        dr._in_subprocess(dr.DryRunConfig(model=model, layout=shrink.layout(parsed, s), batch=16, seq=64))
+        dr._in_subprocess(
+            dr.DryRunConfig(model=model, layout=shrink.layout(parsed, s), batch=shrink.batch(16, s), seq=64)
+        )
         for s in shrink.sizes
     ]
     return full, ex.extrapolate(*parts, shrink, parsed)
@@ -48,14 +50,16 @@ def test_fsdp_extrapolates_to_the_full_compile_exactly():
 
 
 @pytest.mark.slow
-def test_data_parallel_extrapolates_within_a_few_percent():
-    """Under data parallelism XLA's temporary buffers are not exactly a + b/n (measured: 2.2% off
-    at 8 devices from 2 and 4); bytes and FLOPs are."""
+def test_data_parallel_extrapolates_to_the_full_compile_exactly():
+    """The two smaller compiles keep each device's rows, so under data parallelism they are the full
+    program with smaller replica groups. (Compiled with the global batch fixed instead, XLA's
+    temporaries were 2.2% off at 8 devices from 2 and 4.)"""
     full, got = compare("data=8")
-    assert moved(got) == pytest.approx(moved(full), rel=0.01)
-    assert got["flops_per_device"] == pytest.approx(full["flops_per_device"], rel=1e-6)
-    assert got["memory"]["arguments"] == full["memory"]["arguments"]
-    assert got["memory"]["total"] == pytest.approx(full["memory"]["total"], rel=0.03)
+    assert got["memory"] == full["memory"]
+    assert moved(got) == pytest.approx(moved(full), rel=1e-6)
+    assert got["flops_per_device"] == pytest.approx(full["flops_per_device"], rel=1e-9)
+    assert got["model_flops_per_step"] == pytest.approx(full["model_flops_per_step"], rel=1e-9)
+    assert got["extrapolated"]["from_layouts"] == ["data=2", "data=4"]
 
 
 def test_layouts_that_cannot_be_halved_are_refused_before_any_compile():
@@ -65,6 +69,14 @@ def test_layouts_that_cannot_be_halved_are_refused_before_any_compile():
         ex.shrink_plan(Layout.parse("fsdp=3,tensor=1024"))
     shrink = ex.shrink_plan(Layout.parse("fsdp=2048,tensor=8"))
     assert shrink == ex.Shrink("fsdp", 2048, (128, 256))  # 1,024 and 2,048 devices compiled
+
+
+def test_a_batch_that_does_not_split_over_the_full_layout_is_refused_before_any_compile():
+    """The smaller compiles take the full layout's rows per device, so those rows must be whole."""
+    with pytest.raises(LayoutError, match="a multiple of 4096"):
+        dr.dryrun("tiny", layout="data=1024,fsdp=4", batch=2048, seq=64)
+    with pytest.raises(LayoutError, match="a multiple of 2048"):  # microbatches count too
+        dr.dryrun("tiny", layout="data=1024,tensor=4", batch=1024, seq=64, microbatches=2)
 
 
 @pytest.mark.slow
@@ -96,4 +108,4 @@ def test_a_model_written_without_shardkit_extrapolates_under_fsdp():
     assert moved(got) == pytest.approx(moved(full), rel=0.01)
     assert got["flops_per_device"] == pytest.approx(full["flops_per_device"], rel=1e-6)
     assert got["memory"]["arguments"] == full["memory"]["arguments"]
-    assert got["memory"]["total"] == pytest.approx(full["memory"]["total"], rel=0.03)
+    assert got["memory"]["total"] == pytest.approx(full["memory"]["total"], rel=0.005)  # measured: 0.09% off
