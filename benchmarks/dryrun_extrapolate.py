@@ -1,8 +1,8 @@
 """Dry runs past the CPU compiler's 2048 devices: how good the fit is, and what it costs.
 
 1. Against full compiles (at sizes the compiler takes): a layout compiled whole, and extrapolated
-   from two compiles with its fsdp (or data) axis at a quarter and a half of its size: memory per
-   device, bytes moved and matmul FLOPs, extrapolated / compiled.
+   from two compiles with its fsdp (or data) axis, and the global batch, at a quarter and a half of
+   their size: memory per device, bytes moved and matmul FLOPs, extrapolated / compiled.
 2. At sizes past the limit: llama2-70b on 4,096 to 16,384 devices, wall time of the whole dry run
    (its two compiles run side by side) and the host memory of each compile.
 

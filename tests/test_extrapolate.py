@@ -1,5 +1,5 @@
-"""Dry runs past the CPU compiler's 2048 devices: two compiles with the fsdp or data axis halved
-and a fit in 1/n. The fit is checked against full compiles by lowering the limit (a layout of 8
+"""Dry runs past the CPU compiler's 2048 devices: two compiles with the fsdp or data axis (and the
+global batch) halved and a fit in 1/n. The fit is checked against full compiles by lowering the limit (a layout of 8
 devices extrapolated from 2 and 4), and a real 4,096-device dry run goes through the command line."""
 
 import importlib
