@@ -361,3 +361,23 @@ def test_the_planner_splits_the_optimizer_state_over_data_when_memory_asks(cache
     assert f"{result.best} zero2" in format_plans(result)
     plain = plan("mini", 8, small_gpu, batch=8, seq=16, options=PlanOptions(**base, zero=(0,)), cache_dir=cache)
     assert "--zero" not in plain.best_flags and all(p.zero == 0 for p in plain.plans)
+
+
+@pytest.mark.slow
+def test_the_planner_plans_past_the_compilers_device_limit(tmp_path):
+    """4,096 devices for a model written without shardkit, by its factory name: the compiler takes
+    at most 2048, so each layout compiled is dry-run from two smaller compiles (as `shardkit
+    dryrun` does) instead of failing with XLA's "Multiprocess computations" error."""
+    options = PlanOptions(
+        tensor=(1, 2), sequence=(1,), stage=(1,), remat=("none",), microbatches=(1,), zero=(0,), compile_top=2
+    )
+    result = plan("byo_factories:gemma_lm", 4096, "h100", batch=4096, seq=64, options=options, cache_dir=tmp_path)
+    compiled = [p for p in result.plans if p.compiled]
+    assert len(compiled) == 2 and all(p.fits and p.predicted_step_seconds > 0 for p in compiled), result.plans
+    assert result.best == compiled[0].layout and sk.Layout.parse(result.best).num_devices == 4096
+    assert all(p.note == "extrapolated from 1,024 and 2,048 devices" for p in compiled)
+    cached = json.loads((tmp_path / "dryruns.json").read_text())
+    texts = [r["extrapolated"]["text"] for r in cached.values()]
+    assert len(texts) == 2 and all("extrapolated from 1,024 and 2,048 devices" in t for t in texts)
+    best = next(r for r in cached.values() if r["layout"] == result.best)
+    assert best["memory"]["total"] == pytest.approx(compiled[0].memory_per_device)

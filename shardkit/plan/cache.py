@@ -52,6 +52,8 @@ class DryRunCache:
                 "compile_seconds",
             )
         }
+        if "extrapolated" in result:  # past the compiler's device limit: the table says so
+            keep["extrapolated"] = result["extrapolated"]
         self.data[self.key(cfg, fingerprint)] = keep
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")

@@ -38,6 +38,9 @@ def plan_of(job: Candidate, budget: float, hw: Hardware, compute_dtype: str, unf
     t = predict(result, hw, compute_dtype)
     over = size_text(result["memory"]["total"] - budget)
     note = "" if fits else f"{over} over the budget at the best of {len(job.results)} settings compiled"
+    if "extrapolated" in result:
+        small, large = result["extrapolated"]["from_devices"]
+        note = "; ".join(filter(None, [note, f"extrapolated from {small:,} and {large:,} devices"]))
     return Plan(
         job.spec,
         fields["microbatches"],

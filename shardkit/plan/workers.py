@@ -6,6 +6,10 @@ simulated CPU devices, then reads one job per line on stdin, ``{"configs": [DryR
 answers one line on stdout, ``{"results": [report dicts]}`` (with ``"error"`` when a
 configuration failed to compile). The planner keeps a few alive so that each compile pays for
 JAX's start-up only once per process, and kills them when it ends, Ctrl-C included.
+
+Past the CPU compiler's 2048 devices no process can hold the mesh: each configuration is then
+dry-run as ``shardkit dryrun`` does it, extrapolated from two smaller compiles in subprocesses
+(:mod:`shardkit.extrapolate`).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import Any, TextIO
 import jax
 from jax._src import xla_bridge
 
-from shardkit.dryrun import DryRunConfig, _in_process, can_run_here
+from shardkit.dryrun import DryRunConfig, _in_process, can_run_here, dryrun
 from shardkit.errors import ClusterError, ShardkitError
+from shardkit.extrapolate import MAX_COMPILED_DEVICES
 from shardkit.model_source import factory_ref, is_factory_ref
 from shardkit.plan.search import Candidate, ModelFacts
 
@@ -95,6 +100,9 @@ def compile_candidates(
     pending = [j for j in jobs if j.configs]
     if not pending:
         return
+    if devices > MAX_COMPILED_DEVICES:
+        _extrapolate_candidates(pending, facts, budget, done)
+        return
     here = can_run_here(devices)
     importable = facts.model is None or is_factory_ref(pending[0].configs[0].model)
     if workers is None:
@@ -132,6 +140,24 @@ def compile_candidates(
         pool.kill()  # also on Ctrl-C: no worker outlives the plan
         executor.shutdown(wait=True, cancel_futures=True)
         pool.close_logs()
+
+
+def _extrapolate_candidates(
+    jobs: list[Candidate], facts: ModelFacts, budget: float, done: Callable[[Candidate], None]
+) -> None:
+    """Each job's configurations dry-run past the compiler's limit, one at a time (each dry run
+    compiles two smaller layouts side by side), until one fits."""
+    if facts.model is not None and not is_factory_ref(jobs[0].configs[0].model):
+        factory_ref(facts.model)  # the subprocesses import the model by name: say how to make it importable
+    for job in jobs:
+        try:
+            for cfg in job.configs:
+                job.results.append(dryrun(cfg))
+                if job.results[-1]["memory"]["total"] <= budget:
+                    break
+        except ShardkitError as e:  # e.g. a layout with no batch axis to halve: one row, not the plan
+            job.error = str(e)
+        done(job)
 
 
 def serve(devices: int, jobs: TextIO, replies: TextIO) -> None:
