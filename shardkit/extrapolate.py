@@ -11,7 +11,7 @@ per-device figure of the report has the form ``a + b / n``:
 - sharded state (parameters, gradients, optimizer state, under ``fsdp``) is ``b / n``;
 - a ring collective over ``n`` devices moves ``(n - 1) / n`` of its payload, ``a + b / n``, and a
   collective over the other axes moves payloads that are ``b / n`` or constant;
-- FLOPs per device are constant (the rows) plus ``b / n`` (the sharded optimizer update).
+- matmul FLOPs per device are the same at every ``n`` (they follow the rows).
 
 Under ``data`` the two programs are the full layout's per-device program with smaller replica
 groups, so memory and FLOPs come out exact. The two compiles fix ``a`` and ``b`` for every
