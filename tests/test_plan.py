@@ -381,3 +381,15 @@ def test_the_planner_plans_past_the_compilers_device_limit(tmp_path):
     assert len(texts) == 2 and all("extrapolated from 1,024 and 2,048 devices" in t for t in texts)
     best = next(r for r in cached.values() if r["layout"] == result.best)
     assert best["memory"]["total"] == pytest.approx(compiled[0].memory_per_device)
+
+
+def test_a_factory_with_no_importable_name_past_the_device_limit_is_refused_before_any_compile(tmp_path):
+    """Past 2048 devices the compiles run in subprocesses that import the model by name: a lambda has none."""
+    from shardkit.errors import ModelError
+    from shardkit.models.gpt import GPTConfig
+
+    model = GPTConfig.preset("tiny").model()
+    options = PlanOptions(tensor=(1,), sequence=(1,), stage=(1,), remat=("none",), microbatches=(1,), zero=(0,))
+    with pytest.raises(ModelError, match="factory, 'package.module:function'"):
+        plan(lambda: model, 4096, "h100", batch=4096, seq=64, options=options, cache_dir=tmp_path)
+    assert not (tmp_path / "dryruns.json").exists()

@@ -30,7 +30,7 @@ import jax
 from jax._src import xla_bridge
 
 from shardkit.dryrun import DryRunConfig, _in_process, can_run_here, dryrun
-from shardkit.errors import ClusterError, ShardkitError
+from shardkit.errors import ClusterError, ModelError, ShardkitError
 from shardkit.extrapolate import MAX_COMPILED_DEVICES
 from shardkit.model_source import factory_ref, is_factory_ref
 from shardkit.plan.search import Candidate, ModelFacts
@@ -148,7 +148,11 @@ def _extrapolate_candidates(
     """Each job's configurations dry-run past the compiler's limit, one at a time (each dry run
     compiles two smaller layouts side by side), until one fits."""
     if facts.model is not None and not is_factory_ref(jobs[0].configs[0].model):
-        factory_ref(facts.model)  # the subprocesses import the model by name: say how to make it importable
+        raise ModelError(
+            f"Past {MAX_COMPILED_DEVICES} devices the planner compiles in subprocesses, which import the model by "
+            f"name, and model {jobs[0].configs[0].model} has none. Fix: pass the name of its factory, "
+            "'package.module:function', defined at the top level of an importable module."
+        )
     for job in jobs:
         try:
             for cfg in job.configs:
