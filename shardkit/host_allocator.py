@@ -43,6 +43,7 @@ from shardkit.errors import InputError
 ENV = "SHARDKIT_HOST_ALLOCATOR"
 MODES = ("auto", "huge_pages", "system")
 TUNABLE = "glibc.malloc.hugetlb=1"
+_HUGETLB = "glibc.malloc.hugetlb="
 THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -94,8 +95,8 @@ def with_huge_pages(environ: Mapping[str, str] = os.environ, mode: str | None = 
         raise InputError(f"with_huge_pages(mode={mode!r}): choose one of {', '.join(MODES)}.")
     if mode == "system" or (mode == "auto" and not (jax_is_cpu_only(env) and huge_pages_on_request())):
         return env
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
-    if not any(t.startswith("glibc.malloc.hugetlb=") for t in tunables):  # the user's own value stands
+    tunables = _tunables(env)
+    if not any(t.startswith(_HUGETLB) for t in tunables):  # the user's own value stands
         env["GLIBC_TUNABLES"] = ":".join([*tunables, TUNABLE])
     return env
 
@@ -104,9 +105,13 @@ def without_huge_pages(environ: Mapping[str, str] = os.environ) -> dict[str, str
     """A copy of ``environ`` without any ``glibc.malloc.hugetlb`` tunable: glibc's defaults (the
     comparison the benchmarks make)."""
     env = dict(environ)
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb=")]
-    env["GLIBC_TUNABLES"] = ":".join(tunables)
+    env["GLIBC_TUNABLES"] = ":".join(t for t in _tunables(env) if not t.startswith(_HUGETLB))
     return env
+
+
+def _tunables(environ: Mapping[str, str]) -> list[str]:
+    """The ``name=value`` entries of ``GLIBC_TUNABLES``."""
+    return [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
 
 
 def restart_with_huge_pages() -> None:

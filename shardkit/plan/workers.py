@@ -100,11 +100,17 @@ def compile_candidates(
     pending = [j for j in jobs if j.configs]
     if not pending:
         return
-    if devices > MAX_COMPILED_DEVICES:
-        _extrapolate_candidates(pending, facts, budget, done)
+    importable = facts.model is None or is_factory_ref(pending[0].configs[0].model)
+    if devices > MAX_COMPILED_DEVICES:  # dry runs extrapolated from two compiles in subprocesses
+        if not importable:
+            raise ModelError(
+                f"Past {MAX_COMPILED_DEVICES} devices the planner compiles in subprocesses, which import the model "
+                f"by name, and model {pending[0].configs[0].model} has none. Fix: pass the name of its factory, "
+                "'package.module:function', defined at the top level of an importable module."
+            )
+        _one_by_one(pending, dryrun, budget, done)
         return
     here = can_run_here(devices)
-    importable = facts.model is None or is_factory_ref(pending[0].configs[0].model)
     if workers is None:
         started = xla_bridge.backends_are_initialized()
         workers = 1 if here and started else min(len(os.sched_getaffinity(0)), len(pending))
@@ -116,15 +122,7 @@ def compile_candidates(
             jax.config.update("jax_num_cpu_devices", devices)
         model = facts.model
         factory = (lambda: model) if model is not None else None
-        for job in pending:
-            try:
-                for cfg in job.configs:
-                    job.results.append(_in_process(cfg, factory))
-                    if job.results[-1]["memory"]["total"] <= budget:
-                        break
-            except ShardkitError as e:
-                job.error = str(e)
-            done(job)
+        _one_by_one(pending, lambda cfg: _in_process(cfg, factory), budget, done)
         return
     pool = Workers(min(workers, len(pending)), devices)
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=len(pool.procs))
@@ -142,24 +140,27 @@ def compile_candidates(
         pool.close_logs()
 
 
-def _extrapolate_candidates(
-    jobs: list[Candidate], facts: ModelFacts, budget: float, done: Callable[[Candidate], None]
+def _until_fits(
+    configs: list[Any], compile_one: Callable[[Any], dict[str, Any]], budget: float, results: list[dict[str, Any]]
 ) -> None:
-    """Each job's configurations dry-run past the compiler's limit, one at a time (each dry run
-    compiles two smaller layouts side by side), until one fits."""
-    if facts.model is not None and not is_factory_ref(jobs[0].configs[0].model):
-        raise ModelError(
-            f"Past {MAX_COMPILED_DEVICES} devices the planner compiles in subprocesses, which import the model by "
-            f"name, and model {jobs[0].configs[0].model} has none. Fix: pass the name of its factory, "
-            "'package.module:function', defined at the top level of an importable module."
-        )
+    """Compile ``configs`` in order into ``results``, stopping at the first that fits ``budget``."""
+    for cfg in configs:
+        results.append(compile_one(cfg))
+        if results[-1]["memory"]["total"] <= budget:
+            return
+
+
+def _one_by_one(
+    jobs: list[Candidate],
+    compile_one: Callable[[DryRunConfig], dict[str, Any]],
+    budget: float,
+    done: Callable[[Candidate], None],
+) -> None:
+    """Each job compiled in this process's turn (one compile, or one extrapolated dry run, at a time)."""
     for job in jobs:
         try:
-            for cfg in job.configs:
-                job.results.append(dryrun(cfg))
-                if job.results[-1]["memory"]["total"] <= budget:
-                    break
-        except ShardkitError as e:  # e.g. a layout with no batch axis to halve: one row, not the plan
+            _until_fits(job.configs, compile_one, budget, job.results)
+        except ShardkitError as e:  # one layout that fails to compile is one row of the plan, not the end of it
             job.error = str(e)
         done(job)
 
@@ -173,10 +174,7 @@ def serve(devices: int, jobs: TextIO, replies: TextIO) -> None:
         results: list[dict[str, Any]] = []
         reply: dict[str, Any] = {"results": results}
         try:
-            for fields in job["configs"]:
-                results.append(_in_process(DryRunConfig(**fields)))
-                if results[-1]["memory"]["total"] <= job["budget"]:
-                    break
+            _until_fits(job["configs"], lambda fields: _in_process(DryRunConfig(**fields)), job["budget"], results)
         except Exception as e:  # one layout that fails to compile is one row of the plan, not the end of it
             reply["error"] = f"{type(e).__name__}: {str(e)[:500]}"
         replies.write(json.dumps(reply) + "\n")
