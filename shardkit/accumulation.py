@@ -66,10 +66,17 @@ class Accumulation:
 
 def accumulated_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan) -> GradsFn:
     """Mean loss and gradients over ``microbatches`` slices of the batch, one at a time, each
-    reduced over the devices (microbatch ``i`` draws dropout bits from ``fold_in(key, i)``)."""
+    reduced over the devices (microbatch ``i`` draws dropout bits from ``fold_in(key, i)``).
+
+    The sums are placed where the step's gradients go (``plan.grad_specs``): under ZeRO-2 split
+    over ``data``, so each microbatch's gradients are reduce-scattered onto the sums' shards and no
+    device holds whole fp32 sums.
+    """
     if microbatches == 1:
         return grads_fn
-    shardings = plan.state_shardings.params
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(plan.mesh, spec), plan.grad_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
 
     def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
         micro = split_microbatches(batch, microbatches, plan)
@@ -96,7 +103,8 @@ def once_reduced_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan,
     Microbatch ``(B/K, ...)`` is viewed as ``(n, B/(K n), ...)`` (``n`` devices split the rows
     over ``axes``; each keeps its own block, no data moves) and ``grads_fn`` is vmapped over the
     blocks with ``spmd_axis_name=axes``. The ``(n, *param)`` gradient sums stay split over
-    ``axes`` through the loop: whole parameters' worth of fp32 on every device.
+    ``axes`` through the loop: whole parameters' worth of fp32 on every device. After the loop
+    they are reduced to ``plan.grad_specs`` (under ZeRO-2 a reduce-scatter over ``data``).
     """
     mesh = plan.mesh
     n = math.prod(mesh.shape[a] for a in axes)
@@ -131,7 +139,7 @@ def once_reduced_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan,
             reduced = jax.tree.map(
                 lambda g, spec: reduce_row_sums(g, spec, plan, axes) / (microbatches * n),
                 grad_sum,
-                plan.param_specs,
+                plan.grad_specs,
                 is_leaf=lambda x: isinstance(x, PartitionSpec),
             )
         return loss_sum / microbatches, count, reduced, model_state  # choose() keeps models with state away
@@ -242,15 +250,16 @@ def _layout_reason(plan: ShardingPlan, axes: tuple[str, ...], reduce: str) -> st
     splitting = sorted(
         {
             a
-            for spec in jax.tree.leaves(plan.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+            for spec in jax.tree.leaves(plan.grad_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
             for entry in spec
             for a in entry_axes(entry)
             if a in axes
         }
     )
     if splitting and reduce == "auto":
+        what = "parameters" if plan.grad_specs is plan.param_specs else "gradients (ZeRO-2)"
         return (
-            f"the parameters are split over {'+'.join(splitting)}, so reducing once would keep whole fp32 "
+            f"the {what} are split over {'+'.join(splitting)}, so reducing once would keep whole fp32 "
             "gradients on every device through the loop (reduce_gradients='once' trades that memory for one "
             "reduce-scatter per step)"
         )

@@ -172,6 +172,38 @@ def split_microbatches(batch: Batch, k: int, plan: ShardingPlan) -> dict[str, ja
     return {name: split(name, x) for name, x in batch.items()}
 
 
+def gather_as_bits(params: Params, plan: ShardingPlan) -> Params:
+    """ZeRO's all-gather of the updated parameters, from the optimizer's shards
+    (``plan.update_specs``) to where they are stored (``plan.param_specs``), moving 16-bit floats
+    as their bits (``uint16``).
+
+    The values and the bytes moved are the same. The reason is XLA:CPU, which promotes a bf16
+    all-gather to f32 after partitioning: every parameter would be gathered whole in f32, twice
+    the bytes of the parameters, in the step's temporary memory. A dry run would then predict a
+    GPU's ZeRO step (which gathers bf16) at 4 bytes per parameter more than it needs. Integers
+    are never promoted. Wider dtypes are gathered as they are.
+
+    Example:
+      >>> import optax, shardkit as sk
+      >>> from shardkit.models import GPTConfig
+      >>> trainer = sk.Trainer(GPTConfig.preset("tiny").model(), optax.adam(1e-3), "data=8", zero=1)
+      >>> params = jax.tree.map(lambda x: jnp.ones(x.shape, jnp.bfloat16), trainer.abstract_params)
+      >>> jax.jit(gather_as_bits, static_argnums=1)(params, trainer.plan)["embed"].dtype
+      dtype(bfloat16)
+    """
+    mesh = plan.mesh
+
+    def gather(spec: PartitionSpec, whole: PartitionSpec, x: jax.Array) -> jax.Array:
+        if x.dtype.itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+            return plan.constrain(x, NamedSharding(mesh, whole))
+        bits = plan.constrain(jax.lax.bitcast_convert_type(x, jnp.uint16), NamedSharding(mesh, spec))
+        bits = plan.constrain(bits, NamedSharding(mesh, whole))
+        return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    return jax.tree.map(gather, plan.update_specs, plan.param_specs, params, is_leaf=is_spec)
+
+
 def reduce_row_sums(sums: jax.Array, spec: PartitionSpec, plan: ShardingPlan, axes: tuple[str, ...]) -> jax.Array:
     """``(n, *param)`` per-device gradient parts, split over the row ``axes`` -> their sum, placed
     as ``spec``: first over the row axes that split the parameter (a reduce-scatter onto its
@@ -259,23 +291,57 @@ def pipelined_grads(
     return grads
 
 
+def all_finite(x: jax.Array) -> jax.Array:
+    """Whether every element of ``x`` is finite, as a max-reduction of ``|x|`` (NaN propagates
+    through ``max``, and ``inf`` is the max): XLA fuses it into one pass over ``x``, where
+    ``all(isfinite(x))`` made XLA:CPU write a whole boolean mask of ``x`` first.
+
+    Example:
+      >>> all_finite(jnp.array([1.0, -2.0])), all_finite(jnp.array([1.0, jnp.nan]))
+      (Array(True, dtype=bool), Array(False, dtype=bool))
+    """
+    return jnp.isfinite(jnp.max(jnp.abs(x))) if x.size else jnp.array(True)
+
+
 def make_step(
     grads_fn: GradsFn,
     optimizer: optax.GradientTransformation,
     precision: Precision,
     nonfinite: str | None,
     grads_to: Callable[[Any], Any] | None = None,
+    params_to: Callable[[Any], Any] | None = None,
 ) -> StepFn:
     """``step(state, batch) -> (state, metrics)``: gradients, the optimizer update (on the master
     copy under ``bf16-master``), and with a ``nonfinite`` policy the guard that leaves the state
     as it was when the loss, a gradient or an updated parameter is not finite.
 
     ``grads_to`` places the gradients before the update (ZeRO-2: split like the optimizer state,
-    so they are reduce-scattered rather than all-reduced).
+    so they are reduce-scattered rather than all-reduced); ``params_to`` places the updated
+    parameters (ZeRO: gathers them from the optimizer's shards, see :func:`gather_as_bits`).
 
     Returns metrics ``loss``, ``grad_norm``, ``tokens`` (plus ``finite``, ``finite_grads`` and
     ``finite_params`` under a policy).
     """
+
+    def updated_state(state: TrainState, grads: Any, model_state: Any) -> TrainState:
+        target = state.master if state.master is not None else state.params
+        updates, opt_state = optimizer.update(grads, state.opt_state, target)
+        updated = optax.apply_updates(target, updates)
+        if state.master is not None:
+            # Under ZeRO the parameters are gathered from the new master by gathered() below.
+            stored = state.params if params_to is not None else precision.cast_for_storage(updated)
+            new = dataclasses.replace(state, params=stored, master=updated)
+        else:
+            new = dataclasses.replace(state, params=updated)
+        return dataclasses.replace(new, step=state.step + 1, opt_state=opt_state, model_state=model_state)
+
+    def gathered(new: TrainState) -> TrainState:
+        """The stored parameters from the new master, gathered from its shards (ZeRO). Outside
+        the guard's conditional, so that the gather writes into the step's output; the master
+        of a skipped step is the old one, and so are the parameters cast from it."""
+        if params_to is None or new.master is None:
+            return new
+        return dataclasses.replace(new, params=params_to(precision.cast_for_storage(new.master)))
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -284,26 +350,30 @@ def make_step(
         grads = jax.tree.map(lambda g, t: g.astype(t.dtype), grads, target)
         if grads_to is not None:
             grads = grads_to(grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, target)
-        updated = optax.apply_updates(target, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count}
-        if state.master is not None:
-            new = dataclasses.replace(state, params=precision.cast_for_storage(updated), master=updated)
-        else:
-            new = dataclasses.replace(state, params=updated)
-        new = dataclasses.replace(new, step=state.step + 1, opt_state=opt_state, model_state=model_state)
-        if nonfinite is not None:
-            finite_grads = jax.tree.map(lambda g: jnp.all(jnp.isfinite(g)), grads)
-            # The new parameters too: finite gradients can still give an overflowing update (a
-            # huge learning rate, an optimizer dividing by a vanishing second moment).
-            finite_params = jax.tree.map(lambda p: jnp.all(jnp.isfinite(p)), updated)
-            finite = (
-                jnp.isfinite(loss)
-                & jnp.all(jnp.stack(jax.tree.leaves(finite_grads)))
-                & jnp.all(jnp.stack(jax.tree.leaves(finite_params)))
-            )
-            new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)  # nothing applied
-            metrics |= {"finite": finite, "finite_grads": finite_grads, "finite_params": finite_params}
-        return new, metrics
+        if nonfinite is None:
+            return gathered(updated_state(state, grads, model_state)), metrics
+        finite_grads = jax.tree.map(all_finite, grads)
+        # The new parameters too: finite gradients can still give an overflowing update (a huge
+        # learning rate, an optimizer dividing by a vanishing second moment). They are checked
+        # on a first evaluation of the update that is only reduced to flags (a barrier keeps
+        # XLA from merging it with the second); the second, applied only when all is finite,
+        # is written in place. Selecting between the applied update and the old state instead
+        # would hold every new array of the state whole beside the old one until the flags are
+        # known: 10.7 bytes a parameter under bf16-master (benchmarks/zero_memory.py).
+        probe, _ = optimizer.update(jax.lax.optimization_barrier(grads), state.opt_state, target)
+        finite_params = jax.tree.map(all_finite, optax.apply_updates(target, probe))
+        finite = (
+            jnp.isfinite(loss)
+            & jnp.all(jnp.stack(jax.tree.leaves(finite_grads)))
+            & jnp.all(jnp.stack(jax.tree.leaves(finite_params)))
+        )
+        new = jax.lax.cond(
+            finite,
+            lambda: updated_state(state, grads, model_state),
+            lambda: state,  # nothing applied
+        )
+        metrics |= {"finite": finite, "finite_grads": finite_grads, "finite_params": finite_params}
+        return gathered(new), metrics
 
     return step

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,7 @@ from shardkit.sharding import ShardingPlan, plan_sharding, unnamed_model_note
 from shardkit.state import TrainState
 from shardkit.steps import (
     NonFiniteError,
+    gather_as_bits,
     halted,
     make_eval,
     make_step,
@@ -195,11 +197,13 @@ class Trainer:
         grads, self.accumulation = choose(
             model, loss, self.precision, microbatches, self.plan, reduce_gradients, self.schedule
         )
-        grads_to = None
+        grads_to = params_to = None
         if zero >= 2:
             grad_shardings = named(self.plan.grad_specs, self.mesh)
             grads_to = lambda g: self.plan.constrain(g, grad_shardings)
-        self._step_fn = make_step(grads, optimizer, self.precision, nonfinite, grads_to)
+        if zero:
+            params_to = functools.partial(gather_as_bits, plan=self.plan)
+        self._step_fn = make_step(grads, optimizer, self.precision, nonfinite, grads_to, params_to)
         self._compiled: dict[Any, jax.stages.Compiled] = {}
         self._init = jax.jit(self._init_fn, static_argnums=0, out_shardings=self.state_shardings)
 
@@ -324,10 +328,15 @@ class Trainer:
     @property
     def compiler_options(self) -> dict[str, str | bool]:
         """The XLA options the train step (and evaluation) compile with: on the CPU, XLA's
-        memory-minimizing scheduler where the step gathers unrolled layers' weights
+        memory-minimizing scheduler where the step gathers unrolled layers' weights, no
+        loop-invariant code motion for a stacked layer stack computed in bf16, and no combined
+        all-reduces where microbatches accumulate into gradient shards
         (:func:`shardkit.xla_flags.step_compiler_options`); otherwise none."""
         platform = self.mesh.devices.flat[0].platform
-        return step_compiler_options(platform, self.plan.gathers_parameters, self.plan.stacks_layers)
+        half = jnp.dtype(self.precision.compute).itemsize == 2
+        accumulates_shards = self.microbatches > 1 and self.plan.splits_gradients
+        plan = self.plan
+        return step_compiler_options(platform, plan.gathers_parameters, plan.stacks_layers, half, accumulates_shards)
 
     def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:
         """Compile (once per batch shape) the train step for batches shaped like ``batch``.

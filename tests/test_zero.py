@@ -92,3 +92,43 @@ def test_zero_on_models_written_without_shardkit(factory):
     others = args[0] - 12 * p  # fp32: 4 bytes of parameters and 8 of Adam moments per parameter
     assert 0 <= others < 4096
     assert args[2] == others + 4 * p + 8 * p // N  # the parameters whole; the moments split over data
+
+
+@pytest.mark.parametrize("factory", ["gpt_tiny", "gemma_lm"])
+def test_zero2_accumulates_microbatches_on_the_gradient_shards(factory):
+    """ZeRO-2 with 4 microbatches: each microbatch's gradients are reduce-scattered onto the
+    optimizer's shards and summed there, as DeepSpeed's stage 2 does, instead of keeping whole
+    fp32 sums on every device until one reduction after the loop. Losses as one device's."""
+    import byo_factories
+
+    make = TINY.model if factory == "gpt_tiny" else getattr(byo_factories, factory)
+    batch = {"tokens": np.random.default_rng(3).integers(0, 256, (32, 33)).astype(np.int32)}
+
+    def run(trainer):
+        state, out = trainer.init(0), []
+        for _ in range(2):
+            state, metrics = trainer.step(state, trainer.shard_batch(batch))
+            out.append(float(metrics["loss"]))
+        return out
+
+    one = run(sk.Trainer(make(), optax.sgd(0.3), "data=1", devices=jax.devices()[:1]))
+    split = sk.Trainer(make(), optax.sgd(0.3), "data=8", zero=2, microbatches=4)
+    np.testing.assert_allclose(run(split), one, rtol=2e-5)
+    assert split.accumulation.reduces == "per_microbatch" and "ZeRO-2" in split.accumulation.reason
+
+    def gradient_scatters(trainer):
+        found = trainer.report(batch).collectives
+        grads = [c for c in found if c.direction == "backward" and c.axes == ("data",)]
+        assert not [c for c in grads if c.kind == "all-reduce" and c.payload_bytes > 1024]  # none whole
+        return sum(c.moved_bytes for c in grads if c.kind == "reduce-scatter")
+
+    single = sk.Trainer(make(), optax.sgd(0.3), "data=8", zero=2)
+    assert gradient_scatters(split) == pytest.approx(4 * gradient_scatters(single), rel=0.01)  # one per microbatch
+
+    once = sk.Trainer(make(), optax.sgd(0.3), "data=8", zero=2, microbatches=4, reduce_gradients="once")
+    temp = {name: t.compile(batch).memory_analysis().temp_size_in_bytes for name, t in (("split", split), ("once", once))}
+    p = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(split.abstract_params))
+    # Reducing once holds the whole fp32 sums (4 bytes a parameter) where the shards hold 1/8;
+    # the split step still holds a microbatch's whole gradients while they are reduced, so not
+    # all of that is saved on a model this small (measured: 147% on gpt_tiny, 73% on gemma_lm).
+    assert temp["once"] - temp["split"] >= 0.6 * 4 * p * (1 - 1 / N)
