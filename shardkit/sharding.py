@@ -91,20 +91,13 @@ class ShardingPlan:
         return self.update_specs if self.zero >= 2 else self.param_specs
 
     @property
-    def gathers_parameters(self) -> bool:
-        """Whether some parameter is stored split over a mesh axis that also splits the batch
-        (FSDP / ZeRO-3), so the step all-gathers it before use."""
-        return self._split_over_rows(self.param_specs)
-
-    @property
     def splits_gradients(self) -> bool:
-        """Whether some gradient is reduced to shards over a mesh axis that splits the batch
-        (FSDP, ZeRO-2): a reduce-scatter rather than an all-reduce."""
-        return self._split_over_rows(self.grad_specs)
-
-    def _split_over_rows(self, specs: Any) -> bool:
+        """Whether the compiled step reduces some gradient to shards over a mesh axis that splits
+        the batch: a reduce-scatter rather than an all-reduce. FSDP and ZeRO-2 ask for it; at
+        ZeRO-1 XLA carries the optimizer state's split back into the gradients by itself."""
         mesh_shape = dict(self.mesh.shape)
         batch = {a for a in dict(self.rules.rules).get("batch", ()) if mesh_shape.get(a, 1) > 1}
+        specs = self.update_specs if self.zero else self.grad_specs
         leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         return bool(batch & {a for spec in leaves for entry in spec for a in entry_axes(entry)})
 

@@ -328,15 +328,13 @@ class Trainer:
     @property
     def compiler_options(self) -> dict[str, str | bool]:
         """The XLA options the train step (and evaluation) compile with: on the CPU, XLA's
-        memory-minimizing scheduler where the step gathers unrolled layers' weights, no
-        loop-invariant code motion for a stacked layer stack computed in bf16, and no combined
-        all-reduces where microbatches accumulate into gradient shards
+        memory-minimizing scheduler for layers that are not stacked, no loop-invariant code
+        motion for a stacked layer stack computed in bf16, and no combined all-reduces where the
+        gradients are reduced to shards
         (:func:`shardkit.xla_flags.step_compiler_options`); otherwise none."""
         platform = self.mesh.devices.flat[0].platform
         half = jnp.dtype(self.precision.compute).itemsize == 2
-        accumulates_shards = self.microbatches > 1 and self.plan.splits_gradients
-        plan = self.plan
-        return step_compiler_options(platform, plan.gathers_parameters, plan.stacks_layers, half, accumulates_shards)
+        return step_compiler_options(platform, self.plan.stacks_layers, half, self.plan.splits_gradients)
 
     def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:
         """Compile (once per batch shape) the train step for batches shaped like ``batch``.

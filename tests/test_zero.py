@@ -132,3 +132,38 @@ def test_zero2_accumulates_microbatches_on_the_gradient_shards(factory):
     # the split step still holds a microbatch's whole gradients while they are reduced, so not
     # all of that is saved on a model this small (measured: 147% on gpt_tiny, 73% on gemma_lm).
     assert temp["once"] - temp["split"] >= 0.6 * 4 * p * (1 - 1 / N)
+
+
+@pytest.mark.parametrize("factory", ["gpt_8_layers", "gemma_lm", "linen_lm"])
+def test_zero_memory_per_device_follows_the_formula_over_the_data_axis(factory):
+    """Whole per-device memory (arguments + temporaries, from memory_analysis) on data=4 and
+    data=8 with the same rows per device, so activations and per-layer transients are equal:
+    ZeRO's formulas (stage 1: 4P + 12P/N, stage 2: 2P + 14P/N, bf16-master) say the difference
+    is 12P/8 and 14P/8; stage 0 keeps everything whole, so none."""
+    import byo_factories
+
+    if factory == "gpt_8_layers":
+        make = GPTConfig.preset("mini", dim=256, mlp_dim=1024, n_layers=8).model
+    else:
+        make = getattr(byo_factories, factory)
+    saved = {}
+    for zero in (0, 1, 2):
+        total = {}
+        for n in (4, 8):
+            trainer = sk.Trainer(
+                make(), optax.adamw(1e-3), f"data={n}", zero=zero, precision="bf16-master", devices=jax.devices()[:n]
+            )
+            memory = trainer.compile({"tokens": np.zeros((2 * n, 17), np.int32)}).memory_analysis()
+            total[n] = memory.argument_size_in_bytes + memory.temp_size_in_bytes
+        p = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_params))
+        saved[zero] = (total[4] - total[8]) / p
+    assert saved[0] == 0
+    if factory == "gpt_8_layers":  # bf16 throughout: the formula, to the shards of one layer's transients
+        assert saved[2] == pytest.approx(14 / 8, rel=0.03)
+        # XLA carries the optimizer's split back into the gradients at stage 1 too.
+        assert saved[1] == pytest.approx(saved[2], rel=1e-3)
+    else:
+        # These multiply f32 activations by their bf16 weights, so they hold an f32 copy of each
+        # weight for the backward pass; their peak comes early in it, before most gradients
+        # exist. What the data axis splits at the peak is the optimizer's state: 12P/N.
+        assert saved[2] >= 0.99 * 12 / 8 and saved[1] >= 0.99 * 12 / 8
