@@ -38,8 +38,21 @@ def sliced_results(hlo: str | Program) -> tuple[set[str], set[str], dict[str, in
         for used in ins.references:
             users[used].append(ins)
 
+    def through_converts(found: list[Instruction]) -> list[Instruction]:
+        """The users, and the users of those that only convert the dtype (on CPU the reduced
+        gradient is converted back to bf16 before it is sliced into its stacked slot)."""
+        out, todo = [], list(found)
+        while todo:
+            u = todo.pop()
+            out.append(u)
+            if u.opcode == "convert" or (u.opcode == "fusion" and u.name.startswith("wrapped_convert")):
+                todo.extend(users.get(u.name, []))
+        return out
+
     def sources_with_a_user(test: Callable[[Instruction], bool]) -> set[str]:
-        return {elements.get(name, name) for name, found in users.items() if any(test(u) for u in found)}
+        return {
+            elements.get(name, name) for name, found in users.items() if any(test(u) for u in through_converts(found))
+        }
 
     # A per-device slice of the reduced result, even if the full result also feeds something
     # (CPU computes the gradient norm from it), marks the reduce-scatter pattern.

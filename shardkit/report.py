@@ -97,7 +97,9 @@ def collective_stats(
 
     @functools.cache
     def gradient_shapes(axes: tuple[str, ...]) -> frozenset[tuple[int, ...]]:
-        """Local gradient shapes while still whole along ``axes`` (and per layer, without dim 0)."""
+        """Local gradient shapes while still whole along ``axes`` (and per layer, without dim 0),
+        also as the matrices a layer may multiply by, either way round (its weight's leading
+        dimensions merged, and its trailing ones: the gradient is reduced in that shape)."""
         out = set()
         for spec, shape in zip(specs, shapes, strict=True):
             entries = tuple(spec) + (None,) * (len(shape) - len(spec))
@@ -105,7 +107,12 @@ def collective_stats(
                 d // math.prod(mesh_shape[a] for a in entry_axes(e) if a not in axes)
                 for d, e in zip(shape, entries, strict=True)
             )
-            out.update({local, local[1:]})
+            for shape in (local, local[1:]):
+                out.add(shape)
+                for k in range(1, len(shape)):
+                    out.update(
+                        {(math.prod(shape[:k]), math.prod(shape[k:])), (math.prod(shape[k:]), math.prod(shape[:k]))}
+                    )
         return frozenset(out)
 
     groups: dict[tuple[Any, ...], list[Any]] = collections.defaultdict(list)

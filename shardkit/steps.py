@@ -360,7 +360,7 @@ def make_step(
         # XLA from merging it with the second); the second, applied only when all is finite,
         # is written in place. Selecting between the applied update and the old state instead
         # would hold every new array of the state whole beside the old one until the flags are
-        # known: 10.7 bytes a parameter under bf16-master (benchmarks/zero_memory.py).
+        # known: 10.7 bytes a parameter more on a scanned GPT under bf16-master (benchmarks/zero.py).
         probe, _ = optimizer.update(jax.lax.optimization_barrier(grads), state.opt_state, target)
         finite_params = jax.tree.map(all_finite, optax.apply_updates(target, probe))
         finite = (

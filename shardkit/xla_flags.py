@@ -85,9 +85,10 @@ CPU_MEMORY_SCHEDULER: dict[str, str | bool] = {"xla_cpu_scheduler_type": "CPU_SC
 # pass the conversion stays per layer, inside the loop.
 CPU_NO_HOISTING = "while-loop-invariant-code-motion"
 # XLA:CPU combines all of a program's all-reduces that do not depend on each other into one. A
-# step that reduces its gradients to shards (FSDP, ZeRO-2: a reduce-scatter, on the CPU an
-# all-reduce and a slice) would then hold every whole gradient at once; a GPU reduce-scatters
-# them in buckets of at most its combine threshold (OVERLAP_FLAGS).
+# step of unstacked layers that reduces its gradients to shards (FSDP, ZeRO-2: a reduce-scatter,
+# on the CPU an all-reduce and a slice) would then hold every whole gradient at once; a GPU
+# reduce-scatters them in buckets of at most its combine threshold (OVERLAP_FLAGS). A scanned
+# stack reduces each layer's gradients inside its loop, one layer at a time, either way.
 CPU_NO_COMBINING = "cpu-all-reduce-combiner"
 
 
@@ -97,8 +98,9 @@ def step_compiler_options(
     """Compiler options for one train step, on the CPU only: the memory-minimizing scheduler
     unless the layers are stacked (:data:`CPU_MEMORY_SCHEDULER`); for a stacked layer stack
     computed in a 16-bit float (``half_compute``), no loop-invariant code motion
-    (:data:`CPU_NO_HOISTING`); and when the gradients are reduced to shards over the batch's
-    axes (``splits_gradients``), no combining of all-reduces (:data:`CPU_NO_COMBINING`).
+    (:data:`CPU_NO_HOISTING`); and when the gradients of layers that are not stacked are
+    reduced to shards over the batch's axes (``splits_gradients``), no combining of all-reduces
+    (:data:`CPU_NO_COMBINING`).
 
     A scanned layer stack gathers one layer per loop iteration under either schedule, and the
     default keeps its dry runs' memory an exact fit across device counts
@@ -129,7 +131,8 @@ def step_compiler_options(
     if platform != "cpu":
         return {}
     options: dict[str, str | bool] = {} if stacks_layers else dict(CPU_MEMORY_SCHEDULER)
-    disabled = [CPU_NO_HOISTING] * (stacks_layers and half_compute) + [CPU_NO_COMBINING] * splits_gradients
+    disabled = [CPU_NO_HOISTING] * (stacks_layers and half_compute)
+    disabled += [CPU_NO_COMBINING] * (splits_gradients and not stacks_layers)
     if disabled:
         options["xla_disable_hlo_passes"] = ",".join(disabled)
     return options

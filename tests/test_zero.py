@@ -126,7 +126,9 @@ def test_zero2_accumulates_microbatches_on_the_gradient_shards(factory):
     assert gradient_scatters(split) == pytest.approx(4 * gradient_scatters(single), rel=0.01)  # one per microbatch
 
     once = sk.Trainer(make(), optax.sgd(0.3), "data=8", zero=2, microbatches=4, reduce_gradients="once")
-    temp = {name: t.compile(batch).memory_analysis().temp_size_in_bytes for name, t in (("split", split), ("once", once))}
+    temp = {
+        name: t.compile(batch).memory_analysis().temp_size_in_bytes for name, t in (("split", split), ("once", once))
+    }
     p = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(split.abstract_params))
     # Reducing once holds the whole fp32 sums (4 bytes a parameter) where the shards hold 1/8;
     # the split step still holds a microbatch's whole gradients while they are reduced, so not
