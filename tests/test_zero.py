@@ -16,10 +16,10 @@ BATCH = {"tokens": np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np
 N = 8
 
 
-def losses(trainer, steps=3):
+def losses(trainer, steps=3, batch=BATCH):
     state, out = trainer.init(0), []
     for _ in range(steps):
-        state, metrics = trainer.step(state, trainer.shard_batch(BATCH))
+        state, metrics = trainer.step(state, trainer.shard_batch(batch))
         out.append(float(metrics["loss"]))
     return out, state
 
@@ -75,17 +75,9 @@ def test_zero_on_models_written_without_shardkit(factory):
 
     make = getattr(byo_factories, factory)
     batch = {"tokens": np.random.default_rng(2).integers(0, 256, (16, 33)).astype(np.int32)}
-
-    def run(trainer):
-        state, out = trainer.init(0), []
-        for _ in range(3):
-            state, metrics = trainer.step(state, trainer.shard_batch(batch))
-            out.append(float(metrics["loss"]))
-        return out
-
-    one = run(sk.Trainer(make(), optax.adamw(1e-2), "data=1", devices=jax.devices()[:1]))
+    one, _ = losses(sk.Trainer(make(), optax.adamw(1e-2), "data=1", devices=jax.devices()[:1]), batch=batch)
     zero = sk.Trainer(make(), optax.adamw(1e-2), "data=8", zero=2)
-    np.testing.assert_allclose(run(zero), one, rtol=2e-5)
+    np.testing.assert_allclose(losses(zero, batch=batch)[0], one, rtol=2e-5)
     p = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(zero.abstract_params))
     plain = sk.Trainer(make(), optax.adamw(1e-2), "data=8")
     args = {z: t.compile(batch).memory_analysis().argument_size_in_bytes for z, t in ((0, plain), (2, zero))}
@@ -103,17 +95,9 @@ def test_zero2_accumulates_microbatches_on_the_gradient_shards(factory):
 
     make = TINY.model if factory == "gpt_tiny" else getattr(byo_factories, factory)
     batch = {"tokens": np.random.default_rng(3).integers(0, 256, (32, 33)).astype(np.int32)}
-
-    def run(trainer):
-        state, out = trainer.init(0), []
-        for _ in range(2):
-            state, metrics = trainer.step(state, trainer.shard_batch(batch))
-            out.append(float(metrics["loss"]))
-        return out
-
-    one = run(sk.Trainer(make(), optax.sgd(0.3), "data=1", devices=jax.devices()[:1]))
+    one, _ = losses(sk.Trainer(make(), optax.sgd(0.3), "data=1", devices=jax.devices()[:1]), 2, batch)
     split = sk.Trainer(make(), optax.sgd(0.3), "data=8", zero=2, microbatches=4)
-    np.testing.assert_allclose(run(split), one, rtol=2e-5)
+    np.testing.assert_allclose(losses(split, 2, batch)[0], one, rtol=2e-5)
     assert split.accumulation.reduces == "per_microbatch" and "ZeRO-2" in split.accumulation.reason
 
     def gradient_scatters(trainer):
