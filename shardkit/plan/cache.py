@@ -14,8 +14,10 @@ import jax
 from shardkit.dryrun import DryRunConfig
 
 # Bumped when the figures a dry run reports change meaning (e.g. bf16 collectives counted at the
-# partitioner's dtype, sequence-parallel reduce-scatters named as such), so older entries miss.
-COUNTING = 2
+# partitioner's dtype, sequence-parallel reduce-scatters named as such) or the compiled step
+# changes for the same settings (3: the in-place non-finite guard and the CPU step options), so
+# older entries miss.
+COUNTING = 3
 
 
 class DryRunCache:
