@@ -107,12 +107,11 @@ def collective_stats(
                 d // math.prod(mesh_shape[a] for a in entry_axes(e) if a not in axes)
                 for d, e in zip(shape, entries, strict=True)
             )
-            for shape in (local, local[1:]):
-                out.add(shape)
-                for k in range(1, len(shape)):
-                    out.update(
-                        {(math.prod(shape[:k]), math.prod(shape[k:])), (math.prod(shape[k:]), math.prod(shape[:k]))}
-                    )
+            for dims in (local, local[1:]):
+                out.add(dims)
+                for k in range(1, len(dims)):
+                    rows, cols = math.prod(dims[:k]), math.prod(dims[k:])
+                    out.update({(rows, cols), (cols, rows)})
         return frozenset(out)
 
     groups: dict[tuple[Any, ...], list[Any]] = collections.defaultdict(list)
