@@ -36,7 +36,7 @@ from shardkit.errors import InputError, LayoutError, ModelError
 from shardkit.losses import Batch, LossFn
 from shardkit.model import Model, Params
 from shardkit.parallel.schedule import Schedule
-from shardkit.partition import axes_taken, without_axes
+from shardkit.partition import axes_taken, named, without_axes
 from shardkit.precision import Precision
 from shardkit.report_data import GRADIENT_REDUCTION_SCOPE
 from shardkit.rules import entry_axes
@@ -74,9 +74,7 @@ def accumulated_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan) 
     """
     if microbatches == 1:
         return grads_fn
-    shardings = jax.tree.map(
-        lambda spec: NamedSharding(plan.mesh, spec), plan.grad_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
-    )
+    shardings = named(plan.grad_specs, plan.mesh)
 
     def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
         micro = split_microbatches(batch, microbatches, plan)
@@ -257,7 +255,7 @@ def _layout_reason(plan: ShardingPlan, axes: tuple[str, ...], reduce: str) -> st
         }
     )
     if splitting and reduce == "auto":
-        what = "parameters" if plan.grad_specs is plan.param_specs else "gradients (ZeRO-2)"
+        what = "gradients (ZeRO-2)" if plan.zero >= 2 else "parameters"
         return (
             f"the {what} are split over {'+'.join(splitting)}, so reducing once would keep whole fp32 "
             "gradients on every device through the loop (reduce_gradients='once' trades that memory for one "

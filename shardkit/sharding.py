@@ -94,11 +94,11 @@ class ShardingPlan:
     def splits_gradients(self) -> bool:
         """Whether the compiled step reduces some gradient to shards over a mesh axis that splits
         the batch: a reduce-scatter rather than an all-reduce. FSDP and ZeRO-2 ask for it; at
-        ZeRO-1 XLA carries the optimizer state's split back into the gradients by itself."""
+        ZeRO-1 XLA carries the optimizer state's split (``update_specs``) back into the gradients
+        by itself, so the optimizer's specs decide."""
         mesh_shape = dict(self.mesh.shape)
         batch = {a for a in dict(self.rules.rules).get("batch", ()) if mesh_shape.get(a, 1) > 1}
-        specs = self.update_specs if self.zero else self.grad_specs
-        leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        leaves = jax.tree.leaves(self.update_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         return bool(batch & {a for spec in leaves for entry in spec for a in entry_axes(entry)})
 
     @property
