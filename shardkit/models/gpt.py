@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from shardkit.dropout import dropout
+from shardkit.models.rope import RopeScaling, angles, inverse_frequencies
 from shardkit.errors import ModelError, short_repr
 from shardkit.model import Model, from_nnx
 from shardkit.parallel.experts import MoE
@@ -61,6 +62,12 @@ REMAT_POLICIES: dict[str, Any] = {
 }
 
 
+MLP_ACTIVATIONS: dict[str, Any] = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),  # Hugging Face's gelu_pytorch_tanh
+}
+
+
 def _is_float_dtype(name: str) -> bool:
     try:
         return jnp.issubdtype(jnp.dtype(name), jnp.floating)
@@ -84,6 +91,20 @@ class GPTConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False  # logits from the embedding table (Qwen2, Gemma); no separate lm_head
     qkv_bias: bool = False  # a bias on the query, key and value projections (Qwen2)
+    # -- what the families of pretrained checkpoints add (shardkit.models.hf); the defaults are Llama 2's --
+    attn_head_dim: int | None = None  # per-head size K; None: dim // n_heads (Qwen3 and Gemma set their own)
+    rope_scaling: RopeScaling | None = None  # scaled rotary frequencies (Llama 3.1's llama3, linear)
+    rope_local_theta: float | None = None  # rotary base of sliding-window layers (Gemma 3); None: rope_theta
+    norm_offset: float = 0.0  # RMSNorm multiplies by (offset + scale): Gemma's 1 + w
+    qk_norm: bool = False  # RMSNorm over each query and key head before the rotary embedding (Qwen3, Gemma 3)
+    post_norms: bool = False  # an RMSNorm on the attention's and the MLP's outputs too (Gemma 2 and 3)
+    mlp_activation: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(dim) (Gemma)
+    query_scale: float | None = None  # attention scores' scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    sliding_window: int | None = None  # a query sees itself and the window - 1 keys before it
+    layer_types: tuple[str, ...] = ()  # per layer "full" or "sliding"; (): all sliding if a window is set
     dtype: str | None = None  # compute dtype; None: that of the parameters it is given
     param_dtype: str = "float32"
     scan_layers: bool = True  # one compiled layer body, scanned L times
@@ -96,6 +117,7 @@ class GPTConfig:
     top_k: int = 2
     capacity_factor: float = 1.25
     aux_loss_weight: float = 0.01
+    moe_dropless: bool = False  # every expert has room for every token: no token is dropped (Mixtral)
 
     def __post_init__(self) -> None:
         for name in ("vocab", "dim", "n_layers", "n_heads", "n_kv_heads", "mlp_dim", "max_seq"):
@@ -108,8 +130,13 @@ class GPTConfig:
                 raise ModelError(
                     f"GPTConfig: {name}={value!r} is not a floating-point dtype; use 'float32' or 'bfloat16'."
                 )
-        if self.dim % self.n_heads:
-            raise ModelError(f"GPTConfig: dim={self.dim} must divide by n_heads={self.n_heads}.")
+        if self.attn_head_dim is None and self.dim % self.n_heads:
+            raise ModelError(
+                f"GPTConfig: dim={self.dim} must divide by n_heads={self.n_heads}, or give attn_head_dim."
+            )
+        if self.attn_head_dim is not None and (self.attn_head_dim < 2 or self.attn_head_dim % 2):
+            raise ModelError(f"GPTConfig: attn_head_dim={self.attn_head_dim} must be an even number >= 2 (rotary).")
+        self._check_families()
         if self.n_heads % self.n_kv_heads:
             raise ModelError(
                 f"GPTConfig: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
@@ -135,9 +162,39 @@ class GPTConfig:
                 "tokens per expert; 1.25 is usual)."
             )
 
+    def _check_families(self) -> None:
+        if isinstance(self.layer_types, list):  # from JSON
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ModelError(
+                f"GPTConfig: mlp_activation={self.mlp_activation!r}; choose one of {', '.join(MLP_ACTIVATIONS)}."
+            )
+        if self.layer_types and (
+            len(self.layer_types) != self.n_layers or set(self.layer_types) - {"full", "sliding"}
+        ):
+            raise ModelError(
+                f"GPTConfig: layer_types={self.layer_types!r} must name each of the {self.n_layers} layers "
+                "'full' or 'sliding'."
+            )
+        if "sliding" in self.layer_types and self.sliding_window is None:
+            raise ModelError("GPTConfig: layer_types has sliding layers; give sliding_window too.")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelError(f"GPTConfig: sliding_window={self.sliding_window} must be a positive number of tokens.")
+        for name in ("attn_softcap", "final_softcap", "query_scale"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ModelError(f"GPTConfig: {name}={value} must be > 0 (or None).")
+
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim if self.attn_head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its attention is limited to the sliding window."""
+        if self.layer_types:
+            return tuple(kind == "sliding" for kind in self.layer_types)
+        return (self.sliding_window is not None,) * self.n_layers
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> GPTConfig:
@@ -188,8 +245,10 @@ class GPTConfig:
         attn = d * self.n_heads * k * 2 + d * self.n_kv_heads * k * 2
         if self.qkv_bias:
             attn += (self.n_heads + 2 * self.n_kv_heads) * k
+        if self.qk_norm:
+            attn += 2 * k
         mlp = 3 * d * f if not self.n_experts else self.n_experts * 3 * d * f + d * self.n_experts
-        per_layer = attn + mlp + 2 * d
+        per_layer = attn + mlp + (4 if self.post_norms else 2) * d
         tables = 1 if self.tie_embeddings else 2
         return self.n_layers * per_layer + tables * self.vocab * d + d
 
@@ -294,27 +353,83 @@ def token_matmul(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, param_dtype: str, rngs: nnx.Rngs):
-        self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",), param_dtype)
-        self.eps = eps
+    """RMSNorm over the last dimension, times ``offset + scale`` (``offset`` 1: Gemma's, whose
+    scale starts at 0)."""
+
+    def __init__(
+        self, dim: int, eps: float, param_dtype: str, rngs: nnx.Rngs, offset: float = 0.0, axis: str = "embed"
+    ):
+        init = nnx.initializers.zeros if offset else nnx.initializers.ones
+        self.scale = _param(rngs, init, (dim,), (axis,), param_dtype)
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)  # (B, T, D)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return (normed * (self.offset + scale if self.offset else scale)).astype(x.dtype)
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding of ``x`` (B, T, heads, K) by position along T."""
-    t, k = x.shape[1], x.shape[-1]
-    # The angles depend only on static shapes: computed here once, they enter the program as
+def rotary(x: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """Rotary position embedding of ``x`` (B, T, heads, K) by position along T, in the rotate-half
+    layout (the two halves of each head rotate together)."""
+    cos, sin = angles(x.shape[1], inverse_frequencies(x.shape[-1], theta, scaling))  # (1, T, 1, K/2) each
+    return _rotate(x, cos, sin)
+
+
+def _rotate(x: jax.Array, cos: Any, sin: Any) -> jax.Array:
+    # The angles depend only on static shapes: computed in NumPy, they enter the program as
     # constants. Traced, XLA evaluated cos and sin inside every fusion that reads them, forward
     # and backward (on CPU the fused QKV output's gradient took 8 ms per layer, 3 ms after).
-    freqs = np.float32(theta) ** (-np.arange(0, k, 2, dtype=np.float32) / np.float32(k))  # (K/2,)
-    angles = np.arange(t, dtype=np.float32)[:, None] * freqs[None, :]  # (T, K/2)
-    cos, sin = np.cos(angles)[None, :, None, :], np.sin(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # (B, T, heads, K/2) each
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+def layer_rotary(x: jax.Array, cfg: GPTConfig, sliding: bool | jax.Array) -> jax.Array:
+    """:func:`rotary` with the base of this layer's kind: a sliding-window layer of a model with
+    ``rope_local_theta`` (Gemma 3) uses that base, unscaled; ``sliding`` may be traced (a scanned
+    stack of mixed layers), then both tables are constants and the layer's flag picks one."""
+    if cfg.rope_local_theta is None:
+        return rotary(x, cfg.rope_theta, cfg.rope_scaling)
+    if isinstance(sliding, bool):
+        return rotary(x, cfg.rope_local_theta) if sliding else rotary(x, cfg.rope_theta, cfg.rope_scaling)
+    t, k = x.shape[1], x.shape[-1]
+    cos_g, sin_g = angles(t, inverse_frequencies(k, cfg.rope_theta, cfg.rope_scaling))
+    cos_l, sin_l = angles(t, inverse_frequencies(k, cfg.rope_local_theta))
+    return _rotate(x, jnp.where(sliding, cos_l, cos_g), jnp.where(sliding, sin_l, sin_g))
+
+
+def explicit_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, cfg: GPTConfig, sliding: bool | jax.Array
+) -> jax.Array:
+    """Causal grouped-KV attention written out, for what ``jax.nn.dot_product_attention`` lacks:
+    a query scale of the config's, soft-capped scores, and a sliding window whose use may be a
+    traced per-layer flag.
+
+    Args:
+      q: ``(B, T, H, K)``; query head ``h`` reads kv head ``h // (H / N)``.
+      k, v: ``(B, T, N, K)``.
+      cfg: the scale, soft cap and window.
+      sliding: whether this layer's window applies (a bool, or a traced scalar).
+
+    Returns:
+      ``(B, T, H, K)``; softmax in float32, as Hugging Face's eager attention computes it.
+    """
+    b, t, h, d = q.shape
+    n = k.shape[2]
+    scale = cfg.query_scale if cfg.query_scale is not None else d**-0.5
+    qg = q.reshape(b, t, n, h // n, d)  # (B, T, N, G, K)
+    scores = jnp.einsum("btngk,bsnk->bngts", qg, k).astype(jnp.float32) * scale  # (B, N, G, T, T)
+    if cfg.attn_softcap is not None:
+        scores = cfg.attn_softcap * jnp.tanh(scores / cfg.attn_softcap)
+    pos = np.arange(t)
+    allowed = pos[None, :] <= pos[:, None]  # (T, T) causal, query rows
+    if cfg.sliding_window is not None and cfg.sliding_window < t and sliding is not False:
+        in_window = allowed & (pos[None, :] > pos[:, None] - cfg.sliding_window)
+        allowed = in_window if sliding is True else jnp.where(sliding, in_window, allowed)
+    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # (B, N, G, T, T)
+    return jnp.einsum("bngts,bsnk->btngk", weights, v).reshape(b, t, h, d)
 
 
 class Attention(nnx.Module):
@@ -333,6 +448,9 @@ class Attention(nnx.Module):
         self.wqkv = _param(rngs, qkv_init, (d, n, self.groups + 2, k), ("embed", "kv_heads", None, "kv"), p)
         if cfg.qkv_bias:
             self.bqkv = _param(rngs, nnx.initializers.zeros, (n, self.groups + 2, k), ("kv_heads", None, "kv"), p)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(k, cfg.norm_eps, p, rngs, cfg.norm_offset, axis="kv")
+            self.k_norm = RMSNorm(k, cfg.norm_eps, p, rngs, cfg.norm_offset, axis="kv")
         self.wo = _param(
             rngs,
             nnx.initializers.lecun_normal(in_axis=(0, 1), out_axis=2),
@@ -342,7 +460,13 @@ class Attention(nnx.Module):
         )
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def explicit(self, t: int) -> bool:
+        """Whether this config needs :func:`explicit_attention` at sequence length ``t``."""
+        cfg = self.cfg
+        window = cfg.sliding_window is not None and cfg.sliding_window < t and any(cfg.sliding_layers)
+        return window or cfg.attn_softcap is not None or cfg.query_scale is not None
+
+    def __call__(self, x: jax.Array, sliding: bool | jax.Array = False) -> jax.Array:
         b, t, _ = x.shape
         g = self.groups
         with jax.named_scope("qkv_proj"):
@@ -355,11 +479,21 @@ class Attention(nnx.Module):
             qkv = constrain(qkv, ("batch", "seq", "kv_heads", None, "kv"))  # heads split, not the sequence
         q = qkv[:, :, :, :g, :].reshape(b, t, -1, qkv.shape[-1])  # (B, T, H, K), head h -> kv head h // G
         k, v = qkv[:, :, :, g, :], qkv[:, :, :, g + 1, :]  # (B, T, N, K) each
-        q = constrain(rotary(q, self.cfg.rope_theta), ("batch", "seq", "heads", "kv"))
-        k = constrain(rotary(k, self.cfg.rope_theta), ("batch", "seq", "kv_heads", "kv"))
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = constrain(layer_rotary(q, self.cfg, sliding), ("batch", "seq", "heads", "kv"))
+        k = constrain(layer_rotary(k, self.cfg, sliding), ("batch", "seq", "kv_heads", "kv"))
         with jax.named_scope("attention"):
             context = current_rules()
-            if context is not None and dict(context[0].shape).get("sequence", 1) > 1:
+            ring = context is not None and dict(context[0].shape).get("sequence", 1) > 1
+            if ring and self.explicit(t):
+                raise ModelError(
+                    "Ring attention (a sequence axis > 1) computes plain causal attention; this model's "
+                    "sliding window, soft cap or query scale needs a layout without the sequence axis."
+                )
+            if self.explicit(t):
+                out = explicit_attention(q, k, v, self.cfg, sliding)  # (B, T, H, K)
+            elif ring:
                 out = ring_attention(q, k, v, *context)  # (B, T, H, K), the sequence split over devices
             else:
                 out = jax.nn.dot_product_attention(
@@ -377,13 +511,15 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """SwiGLU MLP; gate and up projections fused in one (D, 2, F) weight (one backward all-reduce)."""
+    """Gated MLP (SwiGLU, or GeGLU with ``mlp_activation="gelu_tanh"``); gate and up projections
+    fused in one (D, 2, F) weight (one backward all-reduce)."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         d, f, p = cfg.dim, cfg.mlp_dim, cfg.param_dtype
         gate_up_init = nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
         self.w_gate_up = _param(rngs, gate_up_init, (d, 2, f), ("embed", None, "mlp"), p)
         self.w_down = _param(rngs, nnx.initializers.lecun_normal(), (f, d), ("mlp", "embed"), p)
+        self.activation = MLP_ACTIVATIONS[cfg.mlp_activation]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         with jax.named_scope("gate_up_proj"):
@@ -392,7 +528,7 @@ class SwiGLU(nnx.Module):
             flat = unsplit("seq", "mlp")
             gate_up = token_matmul(x, w, 1) if flat else jnp.einsum("btd,dcf->btcf", x, w)  # (B, T, 2, F)
             gate_up = constrain(gate_up, ("batch", "seq", None, "mlp"))
-        h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # (B, T, F)
+        h = self.activation(gate_up[:, :, 0]) * gate_up[:, :, 1]  # (B, T, F)
         h = constrain(h, ("batch", "seq", "mlp"))
         with jax.named_scope("down_proj"):
             if unsplit("seq"):
@@ -404,35 +540,64 @@ class Block(nnx.Module):
     """One decoder layer: pre-norm attention and pre-norm SwiGLU, each with a residual."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.param_dtype, rngs)
+        norm = functools.partial(RMSNorm, cfg.dim, cfg.norm_eps, cfg.param_dtype, rngs, cfg.norm_offset)
+        self.attn_norm = norm()
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.param_dtype, rngs)
+        self.mlp_norm = norm()
+        if cfg.post_norms:
+            self.post_attn_norm, self.post_mlp_norm = norm(), norm()
         self.mlp: MoE | SwiGLU
         if cfg.n_experts:
-            self.mlp = MoE(cfg.dim, cfg.mlp_dim, cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.param_dtype, rngs)
+            self.mlp = MoE(
+                cfg.dim,
+                cfg.mlp_dim,
+                cfg.n_experts,
+                cfg.top_k,
+                cfg.capacity_factor,
+                cfg.param_dtype,
+                rngs,
+                dropless=cfg.moe_dropless,
+            )
         else:
             self.mlp = SwiGLU(cfg, rngs)
-        self.dropout = cfg.dropout
+        self.dropout, self.post_norms = cfg.dropout, cfg.post_norms
 
-    def __call__(self, x: jax.Array, key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        """``(B, T, D) -> ((B, T, D), load-balancing loss of this layer; 0 for a dense MLP)``."""
+    def __call__(
+        self, x: jax.Array, key: jax.Array | None, sliding: bool | jax.Array = False
+    ) -> tuple[jax.Array, jax.Array]:
+        """``(B, T, D) -> ((B, T, D), load-balancing loss of this layer; 0 for a dense MLP)``.
+
+        ``sliding``: whether this layer's attention keeps to the sliding window (may be traced).
+        """
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         with jax.named_scope("attn"):
-            x = x + dropout(self.attn(self.attn_norm(x)), self.dropout, k1)  # (B, T, D)
+            out = self.attn(self.attn_norm(x), sliding)
+            if self.post_norms:
+                out = self.post_attn_norm(out)
+            x = x + dropout(out, self.dropout, k1)  # (B, T, D)
         with jax.named_scope("mlp"):
             mixed = self.mlp(self.mlp_norm(x))
             out, aux = mixed if isinstance(mixed, tuple) else (mixed, jnp.zeros((), jnp.float32))
+            if self.post_norms:
+                out = self.post_mlp_norm(out)
             x = x + dropout(out, self.dropout, k2)  # (B, T, D)
         return constrain(x, ("batch", "seq", "embed")), aux
 
 
 def _layer(
-    block: Block, x: jax.Array, key: jax.Array | None, remat: str, name: str = "layer"
+    block: Block,
+    x: jax.Array,
+    key: jax.Array | None,
+    remat: str,
+    name: str = "layer",
+    sliding: bool | jax.Array = False,
 ) -> tuple[jax.Array, jax.Array]:
     with jax.named_scope(name):  # collectives in reports say which layer they come from
         if remat == "none":
-            return block(x, key)
-        return nnx.remat(lambda b, h, k: b(h, k), policy=REMAT_POLICIES[remat])(block, x, key)
+            return block(x, key, sliding)
+        if isinstance(sliding, bool):
+            return nnx.remat(lambda b, h, k: b(h, k, sliding), policy=REMAT_POLICIES[remat])(block, x, key)
+        return nnx.remat(lambda b, h, k, s: b(h, k, s), policy=REMAT_POLICIES[remat])(block, x, key, sliding)
 
 
 class GPT(nnx.Module):
@@ -456,7 +621,7 @@ class GPT(nnx.Module):
             self.blocks = make_blocks(rngs)
         else:
             self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])  # type: ignore[assignment]
-        self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, p, rngs)
+        self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, p, rngs, cfg.norm_offset)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, nnx.initializers.lecun_normal(), (cfg.dim, cfg.vocab), ("embed", "vocab"), p)
 
@@ -483,6 +648,8 @@ class GPT(nnx.Module):
             # Whole along the sequence first: under sequence parallelism the lookup is then
             # vocab-parallel and scattered to the sequence shards, never a gather of the table.
             x = gathered_along_seq(jnp.take(table, tokens, axis=0).astype(dt))  # (B, T, D)
+            if cfg.embed_scale:  # the factor rounded to the compute dtype first, as Gemma's reference does
+                x = x * jnp.asarray(math.sqrt(cfg.dim), dtype=dt)
         return constrain(dropout(x, cfg.dropout, None if keys is None else keys[-1]), ("batch", "seq", "embed"))
 
     def run_layers(
@@ -500,26 +667,35 @@ class GPT(nnx.Module):
         """
         cfg = self.cfg
         keys = self._keys(key)
+        kinds = cfg.sliding_layers
+        mixed = len(set(kinds)) > 1  # else every layer is of one kind, known while tracing
         if cfg.scan_layers:
             held = jax.tree.leaves(nnx.state(self.blocks, nnx.Param))[0].shape[0]
             if keys is not None:
                 keys = jax.lax.dynamic_slice_in_dim(keys, first_layer, held)
+            flags = jax.lax.dynamic_slice_in_dim(jnp.asarray(kinds), first_layer, held) if mixed else None
 
             @nnx.scan(
                 unroll=cfg.scan_unroll,
-                in_axes=(nnx.Carry, 0, 0 if keys is not None else None),
+                in_axes=(nnx.Carry, 0, 0 if keys is not None else None, 0 if mixed else None),
                 out_axes=(nnx.Carry, 0),
                 transform_metadata={nnx.PARTITION_NAME: "layers"},
             )
-            def run(x: jax.Array, block: Block, key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-                return _layer(block, x, key, cfg.remat)
+            def run(
+                x: jax.Array, block: Block, key: jax.Array | None, flag: jax.Array | None
+            ) -> tuple[jax.Array, jax.Array]:
+                return _layer(block, x, key, cfg.remat, sliding=kinds[0] if flag is None else flag)
 
-            x, aux = run(x, self.blocks, keys)  # (B, T, D), (layers,)
+            x, aux = run(x, self.blocks, keys, flags)  # (B, T, D), (layers,)
         else:
             per_layer = []
             blocks: Any = self.blocks  # an nnx.List when unrolled
+            if mixed and not isinstance(first_layer, int):
+                raise ModelError("Unrolled layers of mixed attention kinds need a static first_layer.")
             for i, block in enumerate(blocks):
-                x, layer_aux = _layer(block, x, None if keys is None else keys[i], cfg.remat, f"layer_{i}")
+                sliding = kinds[int(first_layer) + i]
+                layer_key = None if keys is None else keys[i]
+                x, layer_aux = _layer(block, x, layer_key, cfg.remat, f"layer_{i}", sliding)
                 per_layer.append(layer_aux)
             aux = jnp.stack(per_layer)  # (L,)
         return x, cfg.aux_loss_weight * aux.sum() / cfg.n_layers
@@ -535,6 +711,8 @@ class GPT(nnx.Module):
                 logits = token_matmul(x, self.lm_head[...].astype(dt), 1)  # (B, T, V)
             else:
                 logits = x @ self.lm_head[...].astype(dt)
+            if self.cfg.final_softcap is not None:
+                logits = self.cfg.final_softcap * jnp.tanh(logits / self.cfg.final_softcap)
         return constrain(logits, ("batch", "seq", "vocab"))
 
     def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:

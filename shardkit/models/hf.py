@@ -1,20 +1,26 @@
 """Hugging Face checkpoints (``config.json`` + ``*.safetensors``) in and out of shardkit's GPT.
 
-Llama, Mistral and Qwen2 checkpoints map onto :class:`~shardkit.models.GPT` tensor by tensor:
+Llama (2, 3.x), Mistral, Mixtral, Qwen2/2.5, Qwen3 and Gemma 2/3 checkpoints map onto
+:class:`~shardkit.models.GPT` tensor by tensor (the config side is :mod:`shardkit.models.hf_config`):
 
-==========================================  =================================================
-Hugging Face (``model.layers.{i}.`` ...)     GPT (stacked over layers when ``scan_layers``)
-==========================================  =================================================
-``self_attn.{q,k,v}_proj.weight`` (out, in)  ``blocks/attn/wqkv`` (D, N, G+2, K): per kv head,
-                                             its G query heads, its key, its value
-``self_attn.{q,k,v}_proj.bias`` (Qwen2)      ``blocks/attn/bqkv`` (N, G+2, K)
-``self_attn.o_proj.weight`` (D, H*K)         ``blocks/attn/wo`` (H, K, D)
-``mlp.{gate,up}_proj.weight`` (F, D)         ``blocks/mlp/w_gate_up`` (D, 2, F)
-``mlp.down_proj.weight`` (D, F)              ``blocks/mlp/w_down`` (F, D)
-``input_layernorm`` / ``post_attention_``    ``blocks/attn_norm/scale`` / ``blocks/mlp_norm/scale``
-``model.embed_tokens`` / ``model.norm``      ``embed`` / ``final_norm/scale``
-``lm_head.weight`` (V, D), absent if tied    ``lm_head`` (D, V), absent if ``tie_embeddings``
-==========================================  =================================================
+============================================  =================================================
+Hugging Face (``model.layers.{i}.`` ...)       GPT (stacked over layers when ``scan_layers``)
+============================================  =================================================
+``self_attn.{q,k,v}_proj.weight`` (out, in)    ``blocks/attn/wqkv`` (D, N, G+2, K): per kv head,
+                                               its G query heads, its key, its value
+``self_attn.{q,k,v}_proj.bias`` (Qwen2)        ``blocks/attn/bqkv`` (N, G+2, K)
+``self_attn.{q,k}_norm`` (Qwen3, Gemma 3)      ``blocks/attn/{q,k}_norm/scale`` (K,)
+``self_attn.o_proj.weight`` (D, H*K)           ``blocks/attn/wo`` (H, K, D)
+``mlp.{gate,up}_proj.weight`` (F, D)           ``blocks/mlp/w_gate_up`` (D, 2, F)
+``mlp.down_proj.weight`` (D, F)                ``blocks/mlp/w_down`` (F, D)
+``block_sparse_moe.gate`` (E, D) (Mixtral)     ``blocks/mlp/router`` (D, E)
+``block_sparse_moe.experts.{e}.w1/w3/w2``      ``blocks/mlp/w_gate_up`` (E, D, 2, F), ``w_down`` (E, F, D)
+``input_layernorm``                            ``blocks/attn_norm/scale``
+``post_attention_layernorm``                   ``blocks/mlp_norm/scale``; Gemma: ``blocks/post_attn_norm``
+``pre_/post_feedforward_layernorm`` (Gemma)    ``blocks/mlp_norm`` / ``blocks/post_mlp_norm``
+``model.embed_tokens`` / ``model.norm``        ``embed`` / ``final_norm/scale``
+``lm_head.weight`` (V, D), absent if tied      ``lm_head`` (D, V), absent if ``tie_embeddings``
+============================================  =================================================
 
 Query head ``h`` uses kv head ``h // G`` in both (Hugging Face's ``repeat_kv``). Hugging Face
 stores q and k in the rotate-half layout (the two halves of each head rotate together), which is
@@ -42,106 +48,21 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from shardkit.errors import CheckpointError, ModelError
+from shardkit.errors import CheckpointError
 from shardkit.models.gpt import GPTConfig
+from shardkit.models.hf_config import FAMILIES, gpt_config, hf_config
 from shardkit.models.hf_views import path_key, views
+
+__all__ = ["CONFIG", "INDEX", "SUPPORTED", "Tensors", "gpt_config", "hf_config", "load_params", "save_pretrained"]
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
-SUPPORTED = ("llama", "mistral", "qwen2")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older Llama exports saved
-_NOT_EXPRESSED = {
-    "gemma": "head_dim independent of hidden_size/heads, a GeGLU MLP, RMSNorm scaled by (1 + weight) "
-    "and embeddings multiplied by sqrt(hidden_size)",
-    "gemma2": "those of gemma, plus logit soft-capping and alternating sliding-window layers",
-    "gemma3": "those of gemma, plus query/key norms and alternating sliding-window layers",
-}
+SUPPORTED = tuple(FAMILIES)
 
 
 def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
-# -- configs -----------------------------------------------------------------------------------
-
-
-def gpt_config(hf: Mapping[str, Any], **overrides: Any) -> GPTConfig:
-    """The :class:`GPTConfig` of a Hugging Face ``config.json``, refused where GPT cannot express it.
-
-    Args:
-      hf: the parsed ``config.json`` (``model_type`` llama, mistral or qwen2).
-      **overrides: GPTConfig fields to set as well (``param_dtype``, ``scan_layers``, ``dropout`` ...).
-
-    Returns:
-      The GPTConfig; ``max_seq`` is ``max_position_embeddings`` (Mistral: capped at its sliding
-      window, beyond which GPT's full attention would differ).
-
-    Example:
-      >>> gpt_config({"model_type": "llama", "vocab_size": 512, "hidden_size": 64,
-      ...     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-      ...     "num_key_value_heads": 2}).n_kv_heads
-      2
-    """
-    kind = hf.get("model_type")
-    if kind in _NOT_EXPRESSED:
-        raise ModelError(f"A {kind} checkpoint needs what shardkit's GPT does not have: {_NOT_EXPRESSED[kind]}.")
-    if kind not in SUPPORTED:
-        raise ModelError(f"config.json has model_type={kind!r}; shardkit imports {', '.join(SUPPORTED)}.")
-    dim, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    scaling = hf.get("rope_scaling") or {}
-    refusals = {
-        "hidden_act": (hf.get("hidden_act", "silu") not in ("silu", "swish"), "GPT's MLP is SwiGLU (silu)"),
-        "head_dim": (hf.get("head_dim") not in (None, dim // heads), f"GPT's is hidden_size/heads={dim // heads}"),
-        "rope_scaling": (
-            scaling.get("rope_type", scaling.get("type", "default")) != "default",
-            "GPT's rotary embedding is unscaled",
-        ),
-        "attention_bias": (kind != "qwen2" and bool(hf.get("attention_bias")), "GPT has no output-projection bias"),
-        "mlp_bias": (bool(hf.get("mlp_bias")), "GPT's MLP has no biases"),
-    }
-    for key, (refused, why) in refusals.items():
-        if refused:
-            raise ModelError(f"config.json has {key}={hf.get(key)!r}, which shardkit cannot import: {why}.")
-    max_seq = int(hf.get("max_position_embeddings", 2048))
-    window = hf.get("sliding_window") if kind == "mistral" or hf.get("use_sliding_window") else None
-    fields = dict(
-        vocab=int(hf["vocab_size"]),
-        dim=dim,
-        n_layers=int(hf["num_hidden_layers"]),
-        n_heads=heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        mlp_dim=int(hf["intermediate_size"]),
-        max_seq=min(max_seq, int(window)) if window else max_seq,
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=kind == "qwen2",
-    )
-    return GPTConfig(**{**fields, **overrides})
-
-
-def hf_config(cfg: GPTConfig, base: Mapping[str, Any] | None = None, dtype: str | None = None) -> dict[str, Any]:
-    """The ``config.json`` of ``cfg``: ``base`` (an imported checkpoint's) with the sizes updated,
-    or a new Llama config (Qwen2 when ``cfg.qkv_bias``); ``dtype`` that of the tensors written."""
-    kind = "qwen2" if cfg.qkv_bias else "llama"
-    out: dict[str, Any] = (
-        dict(base) if base else {"architectures": [f"{kind.capitalize()}ForCausalLM"], "model_type": kind}
-    )
-    out.update(
-        vocab_size=cfg.vocab,
-        hidden_size=cfg.dim,
-        intermediate_size=cfg.mlp_dim,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings,
-        hidden_act="silu",
-        torch_dtype=dtype or cfg.param_dtype,
-    )
-    out.setdefault("max_position_embeddings", cfg.max_seq)
-    return out
 
 
 # -- reading tensors ---------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from shardkit.errors import ModelError
 from shardkit.models.gpt import GPTConfig
 
 
@@ -140,6 +139,32 @@ class Stack:
         return out
 
 
+def _norm(name: str, size: int) -> Source:
+    return Source(name, ((size,),), (0,))
+
+
+def _experts(cfg: GPTConfig, moe: str) -> dict[tuple[str, ...], Any]:
+    """Mixtral's ``block_sparse_moe``: a router (E, D) and per expert w1 (gate), w3 (up), w2 (down)."""
+    d, f, e = cfg.dim, cfg.mlp_dim, cfg.n_experts
+    expert = [f"{moe}experts.{j}." for j in range(e)]
+    return {
+        ("mlp", "router"): Source(moe + "gate.weight", ((e,), (d,)), (1, 0)),
+        ("mlp", "w_gate_up"): Stack(
+            tuple(
+                Concat(
+                    (
+                        Source(x + "w1.weight", ((1, f), (d,)), (2, 0, 1)),
+                        Source(x + "w3.weight", ((1, f), (d,)), (2, 0, 1)),
+                    ),
+                    axis=1,
+                )
+                for x in expert
+            )
+        ),
+        ("mlp", "w_down"): Stack(tuple(Source(x + "w2.weight", ((d,), (f,)), (1, 0)) for x in expert)),
+    }
+
+
 def _layer_views(cfg: GPTConfig, i: int) -> dict[tuple[str, ...], Any]:
     d, f, n, k = cfg.dim, cfg.mlp_dim, cfg.n_kv_heads, cfg.head_dim
     g, h = cfg.n_heads // n, cfg.n_heads
@@ -156,32 +181,41 @@ def _layer_views(cfg: GPTConfig, i: int) -> dict[tuple[str, ...], Any]:
             axis=2,
         ),
         ("attn", "wo"): Source(attn + "o_proj.weight", ((d,), (h, k)), (1, 2, 0)),
-        ("attn_norm", "scale"): Source(pre + "input_layernorm.weight", ((d,),), (0,)),
-        ("mlp_norm", "scale"): Source(pre + "post_attention_layernorm.weight", ((d,),), (0,)),
-        ("mlp", "w_gate_up"): Concat(
+        ("attn_norm", "scale"): _norm(pre + "input_layernorm.weight", d),
+    }
+    if cfg.post_norms:  # Gemma 2/3: "post_attention_layernorm" is the attention's output norm
+        views[("post_attn_norm", "scale")] = _norm(pre + "post_attention_layernorm.weight", d)
+        views[("mlp_norm", "scale")] = _norm(pre + "pre_feedforward_layernorm.weight", d)
+        views[("post_mlp_norm", "scale")] = _norm(pre + "post_feedforward_layernorm.weight", d)
+    else:
+        views[("mlp_norm", "scale")] = _norm(pre + "post_attention_layernorm.weight", d)
+    if cfg.n_experts:
+        views.update(_experts(cfg, pre + "block_sparse_moe."))
+    else:
+        views[("mlp", "w_gate_up")] = Concat(
             (
                 Source(mlp + "gate_proj.weight", ((1, f), (d,)), (2, 0, 1)),
                 Source(mlp + "up_proj.weight", ((1, f), (d,)), (2, 0, 1)),
             ),
             axis=1,
-        ),
-        ("mlp", "w_down"): Source(mlp + "down_proj.weight", ((d,), (f,)), (1, 0)),
-    }
+        )
+        views[("mlp", "w_down")] = Source(mlp + "down_proj.weight", ((d,), (f,)), (1, 0))
     if cfg.qkv_bias:
         views[("attn", "bqkv")] = Concat(
             tuple(Source(attn + f"{w}_proj.bias", ((n, m, k),), (0, 1, 2)) for w, m in (("q", g), ("k", 1), ("v", 1))),
             axis=1,
         )
+    if cfg.qk_norm:
+        views[("attn", "q_norm", "scale")] = _norm(attn + "q_norm.weight", k)
+        views[("attn", "k_norm", "scale")] = _norm(attn + "k_norm.weight", k)
     return views
 
 
 def views(cfg: GPTConfig) -> dict[tuple[str | int, ...], Any]:
     """Every GPT parameter's path (as in its parameter tree) -> its view of checkpoint tensors."""
-    if cfg.n_experts:
-        raise ModelError("A mixture-of-experts GPT has no Llama/Mistral/Qwen2 checkpoint layout.")
     out: dict[tuple[str | int, ...], Any] = {
         ("embed",): Source("model.embed_tokens.weight", ((cfg.vocab,), (cfg.dim,)), (0, 1)),
-        ("final_norm", "scale"): Source("model.norm.weight", ((cfg.dim,),), (0,)),
+        ("final_norm", "scale"): _norm("model.norm.weight", cfg.dim),
     }
     if not cfg.tie_embeddings:
         out[("lm_head",)] = Source("lm_head.weight", ((cfg.vocab,), (cfg.dim,)), (1, 0))

@@ -77,7 +77,12 @@ def exchange(buffers: jax.Array, to_experts: bool, axis: str = "expert") -> jax.
 
 
 class MoE(nnx.Module):
-    """SwiGLU experts behind a top-k router. ``(B, T, D) -> ((B, T, D), load-balancing loss)``."""
+    """SwiGLU experts behind a top-k router. ``(B, T, D) -> ((B, T, D), load-balancing loss)``.
+
+    ``dropless``: every expert has a slot for every token of its group (memory and FLOPs of
+    ``E / top_k`` times the even share), so no token is dropped and the result is that of
+    routing each token to its top-k experts with no capacity at all.
+    """
 
     def __init__(
         self,
@@ -88,6 +93,7 @@ class MoE(nnx.Module):
         capacity_factor: float,
         param_dtype: str,
         rngs: nnx.Rngs,
+        dropless: bool = False,
     ):
         init, dt = nnx.initializers.lecun_normal(), jnp.dtype(param_dtype)
         self.router = nnx.Param(logical(init, ("embed", None))(rngs.params(), (dim, n_experts), dt))
@@ -100,8 +106,13 @@ class MoE(nnx.Module):
             logical(down_init, ("experts", "mlp", "embed"))(rngs.params(), (n_experts, hidden, dim), dt)
         )
         self.top_k, self.capacity_factor, self.n_experts = top_k, capacity_factor, n_experts
+        self.dropless = dropless
 
     def capacity(self, tokens_per_group: int) -> int:
+        """Slots per expert and group. Dropless: one per token of the group, since a token
+        chooses an expert at most once, so no expert can overflow (Mixtral's routing, exactly)."""
+        if self.dropless:
+            return tokens_per_group
         return max(1, math.ceil(self.capacity_factor * tokens_per_group * self.top_k / self.n_experts))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
