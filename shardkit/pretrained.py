@@ -16,7 +16,19 @@ from shardkit.models.gpt import GPTConfig
 from shardkit.state import TrainState
 from shardkit.train import Trainer
 
-_MODEL_FIELDS = ("param_dtype", "dtype", "scan_layers", "remat", "dropout", "attention", "max_seq")
+_MODEL_FIELDS = (
+    "param_dtype",
+    "dtype",
+    "scan_layers",
+    "scan_unroll",
+    "remat",
+    "dropout",
+    "attention",
+    "max_seq",
+    "aux_loss_weight",
+    "capacity_factor",
+    "moe_dropless",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +55,8 @@ def from_pretrained(
     seed: int = 0,
     **options: Any,
 ) -> Pretrained:
-    """A trainer of shardkit's GPT and a state holding a Llama, Mistral or Qwen2 checkpoint's weights.
+    """A trainer of shardkit's GPT and a state holding a Hugging Face checkpoint's weights: Llama 2/3.x,
+    Mistral, Mixtral, Qwen2/2.5, Qwen3, Gemma 2 or Gemma 3 (:mod:`shardkit.models.hf_config`).
 
     Every parameter is read straight into its shards: each process reads only the blocks of the
     ``.safetensors`` tensors its devices hold, so no host ever holds the whole model.
@@ -53,8 +66,10 @@ def from_pretrained(
       layout: the mesh layout, as for :class:`~shardkit.Trainer`.
       optimizer: the optax transformation (default ``adamw(1e-5)``, a fine-tuning rate).
       seed: the dropout seed.
-      **options: GPTConfig fields (``param_dtype``, ``dtype``, ``scan_layers``, ``remat``,
-        ``dropout``, ``attention``, ``max_seq``); everything else goes to the Trainer.
+      **options: GPTConfig fields that say how to train (``param_dtype``, ``dtype``,
+        ``scan_layers``, ``scan_unroll``, ``remat``, ``dropout``, ``attention``, ``max_seq``,
+        ``aux_loss_weight``; ``moe_dropless``/``capacity_factor`` to route as shardkit's MoE does);
+        everything else goes to the Trainer.
 
     Returns:
       A :class:`Pretrained`: ``.trainer``, ``.state``, ``.config``, ``.hf_config``, ``.save()``.

@@ -59,6 +59,7 @@ CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older Llama exports saved
 SUPPORTED = tuple(FAMILIES)
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' codes of the dtypes a parameter can be read from
 
 
 def _numpy_dtype(name: str) -> np.dtype:
@@ -84,6 +85,13 @@ class Tensors:
             files = sorted(p.name for p in self.directory.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"{self.directory} holds no *.safetensors file (nor {INDEX}).")
+        absent = [file for file in files if not (self.directory / file).is_file()]
+        if absent:
+            names = sorted(name for name, file in weight_map.items() if file in absent)
+            raise CheckpointError(
+                f"{self.directory / INDEX} names {len(absent)} file(s) that are missing: {absent[:3]} "
+                f"(holding {len(names)} tensors, e.g. {names[:2]}). Download the whole checkpoint again."
+            )
         handles = {file: safe_open(self.directory / file, "np") for file in files}  # one memory map per file
         if not index.exists():
             weight_map = {name: file for file, handle in handles.items() for name in handle.keys()}  # noqa: SIM118 -- a safe_open handle is not iterable
@@ -92,6 +100,10 @@ class Tensors:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._files[name].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype code (``F32``, ``BF16`` ...)."""
+        return str(self._files[name].get_slice(name).get_dtype())
 
     def read(self, name: str, block: tuple[slice, ...]) -> np.ndarray:
         return np.asarray(self._files[name].get_slice(name)[block])
@@ -111,6 +123,11 @@ def check_tensors(tensors: Tensors, cfg: GPTConfig) -> None:
     for name, shape in needed.items():
         if tensors.shape(name) != shape:
             raise CheckpointError(f"{name} has shape {tensors.shape(name)}; config.json implies {shape}.")
+        if tensors.dtype(name) not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{name} is stored as {tensors.dtype(name)}; shardkit reads floating-point weights "
+                f"({', '.join(FLOAT_DTYPES)}). A quantized checkpoint needs dequantizing first."
+            )
     extra = sorted(n for n in tensors.names - set(needed) if not n.endswith(_IGNORED_SUFFIXES))
     if extra:
         raise CheckpointError(

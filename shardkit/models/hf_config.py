@@ -374,7 +374,10 @@ def _optional_float(value: Any) -> float | None:
 
 def math_of(cfg: GPTConfig) -> dict[str, Any]:
     """The fields of ``cfg`` that decide what it computes (not how it trains or compiles)."""
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAINING_FIELDS}
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAINING_FIELDS}
+    fields["attn_head_dim"] = cfg.head_dim  # derived or explicit: the same model
+    fields["layer_types"] = cfg.sliding_layers if cfg.sliding_window is not None else ()
+    return fields
 
 
 def family_of(cfg: GPTConfig) -> str:
