@@ -13,6 +13,7 @@ sk.simulate_devices(8)
 
 # Scripts that the multi-process tests start as workers; --doctest-modules must not import them.
 collect_ignore = ["mp_worker.py", "launch_worker.py"]
+collect_ignore_glob = ["fixtures/*"]  # fixtures/hf_reference/make_fixtures.py needs torch and transformers
 
 import jax
 import pytest

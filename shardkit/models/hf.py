@@ -41,7 +41,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -53,7 +53,17 @@ from shardkit.models.gpt import GPTConfig
 from shardkit.models.hf_config import FAMILIES, gpt_config, hf_config
 from shardkit.models.hf_views import path_key, views
 
-__all__ = ["CONFIG", "INDEX", "SUPPORTED", "Tensors", "gpt_config", "hf_config", "load_params", "save_pretrained"]
+__all__ = [
+    "CONFIG",
+    "INDEX",
+    "SUPPORTED",
+    "Tensors",
+    "gpt_config",
+    "hf_config",
+    "load_params",
+    "save_pretrained",
+    "write_checkpoint",
+]
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -203,12 +213,37 @@ def save_pretrained(
       params: the GPT's parameters (``state.params``).
       cfg: their GPTConfig.
       directory: where to write; must not exist yet.
-      base_config: the imported checkpoint's ``config.json``, to keep its other keys.
+      base_config: the imported checkpoint's ``config.json``, kept as it is when it still
+        describes ``cfg`` (see :func:`shardkit.models.hf_config.hf_config`).
       max_shard_bytes: the largest ``.safetensors`` file; more make an index, as Hugging Face does.
 
     Returns:
       The directory.
     """
+    hf_config(cfg, base_config)  # refused before anything is gathered or written
+
+    def to_tensors(host: Any) -> dict[str, np.ndarray]:
+        flat = {path_key(p): a for p, a in jax.tree_util.tree_flatten_with_path(host)[0]}
+        tensors: dict[str, np.ndarray] = {}
+        for path, view in views(cfg).items():
+            tensors.update(view.write(flat[path]))
+        return tensors
+
+    return write_checkpoint(
+        params, directory, to_tensors, lambda dtype: hf_config(cfg, base_config, dtype), max_shard_bytes
+    )
+
+
+def write_checkpoint(
+    params: Any,
+    directory: str | os.PathLike[str],
+    to_tensors: Callable[[Any], dict[str, np.ndarray]],
+    config: Callable[[str], Mapping[str, Any]],
+    max_shard_bytes: int = 2 * 1024**3,
+) -> pathlib.Path:
+    """Gather ``params`` to host arrays, turn them into named tensors and write them (sharded into
+    files past ``max_shard_bytes``, with an index) and ``config(dtype)`` as ``config.json``:
+    atomically, into a new directory, by process 0."""
     from safetensors.numpy import save_file
 
     target = pathlib.Path(directory)
@@ -217,10 +252,7 @@ def save_pretrained(
     host = _host_arrays(params)
     if jax.process_index() != 0:
         return target
-    flat = {path_key(p): a for p, a in jax.tree_util.tree_flatten_with_path(host)[0]}
-    tensors: dict[str, np.ndarray] = {}
-    for path, view in views(cfg).items():
-        tensors.update(view.write(flat[path]))
+    tensors = to_tensors(host)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
@@ -241,7 +273,7 @@ def save_pretrained(
             total = sum(a.nbytes for a in tensors.values())
             (staging / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
         dtype = str(next(iter(tensors.values())).dtype)
-        (staging / CONFIG).write_text(json.dumps(hf_config(cfg, base_config, dtype), indent=2))
+        (staging / CONFIG).write_text(json.dumps(dict(config(dtype)), indent=2))
         staging.rename(target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
