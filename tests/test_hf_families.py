@@ -4,6 +4,7 @@ written by transformers 5.25 itself, with the logits transformers computes for f
 gives those logits on one device and under sharded layouts, exports back to the same tensors and
 config, and trains from its first loss."""
 
+import io
 import json
 import pathlib
 import shutil
@@ -35,7 +36,9 @@ def logits_of(run, tokens):
 
 
 def max_error(run, family, rows=1):
-    return float(np.abs(logits_of(run, np.tile(TOKENS, (rows, 1))) - np.tile(reference_logits(family), (rows, 1, 1))).max())
+    return float(
+        np.abs(logits_of(run, np.tile(TOKENS, (rows, 1))) - np.tile(reference_logits(family), (rows, 1, 1))).max()
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -248,3 +251,41 @@ def test_the_fixtures_are_what_transformers_wrote():
         assert count == index[family]["params"]
         cfg = hf.gpt_config(json.loads((REFERENCE / family / "config.json").read_text()))
         assert cfg.num_params() == count
+
+
+# -- the command line: train from each family, export what the import reads -------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cli_trains_from_every_family_and_exports_what_the_import_reads(tmp_path, family):
+    from shardkit.cli import main
+    from shardkit.config import TrainConfig
+    from shardkit.data import TextDataset
+    from shardkit.run import train
+
+    small = dict(batch=8, seq=32, layout="fsdp=8", sample_tokens=0, init_from=str(REFERENCE / family))
+    cfg = TrainConfig(steps=1, lr=1e-9, warmup=0, checkpoint_dir=str(tmp_path / "run"), checkpoint_every=1, **small)
+    result = train(cfg, out=io.StringIO(), progress=False)
+    imported = sk.from_pretrained(REFERENCE / family, layout="fsdp=8")
+    batch = imported.trainer.shard_batch(TextDataset.builtin(0).batch(0, 8, 32))
+    np.testing.assert_allclose(
+        result["losses"][0], float(imported.trainer.evaluate(imported.state.params, batch)["loss"]), rtol=1e-5
+    )
+    export = [
+        "export",
+        "--init-from",
+        str(REFERENCE / family),
+        "--checkpoint-dir",
+        str(tmp_path / "run"),
+        "--out",
+        str(tmp_path / "hf"),
+    ]
+    assert main(export) == 0
+    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    reference = load_file(str(REFERENCE / family / "model.safetensors"))
+    assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in reference.items()}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads(
+        (REFERENCE / family / "config.json").read_text()
+    )
+    assert max_error(sk.from_pretrained(tmp_path / "hf", layout="fsdp=8"), family, rows=4) < 1e-2  # 1 step at lr 1e-9

@@ -25,9 +25,9 @@ import numpy as np
 from flax import nnx
 
 from shardkit.dropout import dropout
-from shardkit.models.rope import RopeScaling, angles, inverse_frequencies
 from shardkit.errors import ModelError, short_repr
 from shardkit.model import Model, from_nnx
+from shardkit.models.rope import RopeScaling, angles, inverse_frequencies
 from shardkit.parallel.experts import MoE
 from shardkit.parallel.ring_attention import ring_attention
 from shardkit.partition import constrain, constrain_to, current_rules, free_mesh_shape, logical, without_axes
@@ -131,9 +131,7 @@ class GPTConfig:
                     f"GPTConfig: {name}={value!r} is not a floating-point dtype; use 'float32' or 'bfloat16'."
                 )
         if self.attn_head_dim is None and self.dim % self.n_heads:
-            raise ModelError(
-                f"GPTConfig: dim={self.dim} must divide by n_heads={self.n_heads}, or give attn_head_dim."
-            )
+            raise ModelError(f"GPTConfig: dim={self.dim} must divide by n_heads={self.n_heads}, or give attn_head_dim.")
         if self.attn_head_dim is not None and (self.attn_head_dim < 2 or self.attn_head_dim % 2):
             raise ModelError(f"GPTConfig: attn_head_dim={self.attn_head_dim} must be an even number >= 2 (rotary).")
         self._check_families()
@@ -169,9 +167,7 @@ class GPTConfig:
             raise ModelError(
                 f"GPTConfig: mlp_activation={self.mlp_activation!r}; choose one of {', '.join(MLP_ACTIVATIONS)}."
             )
-        if self.layer_types and (
-            len(self.layer_types) != self.n_layers or set(self.layer_types) - {"full", "sliding"}
-        ):
+        if self.layer_types and (len(self.layer_types) != self.n_layers or set(self.layer_types) - {"full", "sliding"}):
             raise ModelError(
                 f"GPTConfig: layer_types={self.layer_types!r} must name each of the {self.n_layers} layers "
                 "'full' or 'sliding'."

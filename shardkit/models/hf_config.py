@@ -100,7 +100,13 @@ FAMILIES: dict[str, tuple[str, frozenset[str]]] = {
     "mixtral": (
         "MixtralForCausalLM",
         _WINDOWED
-        | {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "router_jitter_noise", "output_router_logits"},
+        | {
+            "num_local_experts",
+            "num_experts_per_tok",
+            "router_aux_loss_coef",
+            "router_jitter_noise",
+            "output_router_logits",
+        },
     ),
     "qwen2": ("Qwen2ForCausalLM", _QWEN),
     "qwen3": ("Qwen3ForCausalLM", _QWEN | {"attention_bias"}),
@@ -134,7 +140,15 @@ _NOT_SUPPORTED = {
     "checkpoint (model_type gemma3_text)",
 }
 _ROPE_KEYS = frozenset(
-    {"rope_theta", "rope_type", "type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    {
+        "rope_theta",
+        "rope_type",
+        "type",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    }
 )
 # GPTConfig fields that say how to train or compile, not what the model computes.
 TRAINING_FIELDS = frozenset(
@@ -445,7 +459,9 @@ def new_config(cfg: GPTConfig, dtype: str) -> dict[str, Any]:
     if kind in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window
     if kind in ("qwen2", "qwen3"):
-        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window, layer_types=kinds)
+        out.update(
+            use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window, layer_types=kinds
+        )
     if kind == "mixtral":
         out.update(
             num_local_experts=cfg.n_experts,

@@ -39,7 +39,6 @@ A layer stack that is one stacked parameter (``nnx.vmap``, ``nn.scan``) maps wit
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 import re
@@ -109,7 +108,9 @@ _TOKEN = re.compile(r"\(([^()]*)\)|(\S+)")
 
 def _parse(pattern: str) -> tuple[list[list[str]], list[str]]:
     if pattern.count("->") != 1:
-        raise ModelError(f"Pattern {pattern!r} needs one '->': tensor dimensions on the left, the parameter's on the right.")
+        raise ModelError(
+            f"Pattern {pattern!r} needs one '->': tensor dimensions on the left, the parameter's on the right."
+        )
     left, right = pattern.split("->")
     groups = [m.group(1).split() if m.group(1) is not None else [m.group(2)] for m in _TOKEN.finditer(left)]
     order = right.split()
@@ -134,7 +135,9 @@ def _source(spec: TensorSpec, name: str, shape: tuple[int | None, ...], tensor_s
             f"{name}: pattern {spec.pattern!r} makes {len(order)} dimensions; the parameter has {len(shape)}."
         )
     if tensor_shape is not None and len(groups) != len(tensor_shape):
-        raise ModelError(f"{name}: pattern {spec.pattern!r} names {len(groups)} dimensions; the tensor has {len(tensor_shape)}.")
+        raise ModelError(
+            f"{name}: pattern {spec.pattern!r} names {len(groups)} dimensions; the tensor has {len(tensor_shape)}."
+        )
     sizes = dict(spec.sizes)
     sizes.update({n: int(d) for n, d in zip(order, shape, strict=True) if d is not None and n not in sizes})
     for j, group in enumerate(groups):
@@ -200,7 +203,9 @@ class Mapping:
             shape = tuple(leaf.shape)
             if self.stacked and self.stacked not in values and self.stacked in _placeholders(_names(part)):
                 view: Any = Stack(
-                    tuple(self._view(part, {**values, self.stacked: str(j)}, shape[1:], tensors) for j in range(shape[0]))
+                    tuple(
+                        self._view(part, {**values, self.stacked: str(j)}, shape[1:], tensors) for j in range(shape[0])
+                    )
                 )
             else:
                 view = self._view(part, values, shape, tensors)
@@ -255,7 +260,9 @@ class Mapping:
                 tensors.update(view.write(flat[key]))
             return tensors
 
-        return hf.write_checkpoint(params, directory, to_tensors, lambda dtype: {**(config or {}), "torch_dtype": dtype})
+        return hf.write_checkpoint(
+            params, directory, to_tensors, lambda dtype: {**(config or {}), "torch_dtype": dtype}
+        )
 
 
 def _names(part: Part) -> str:
