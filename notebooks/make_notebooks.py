@@ -583,8 +583,8 @@ BRING_YOUR_OWN = [
 FINETUNE = [
     (
         "markdown",
-        "# Fine-tune a pretrained checkpoint\n\nA Llama-format checkpoint (`config.json` + `model.safetensors` + "
-        "`tokenizer.json`, as published on the Hugging Face Hub) is built here with NumPy, imported into shardkit's "
+        "# Fine-tune a pretrained checkpoint\n\nA Llama-3-shaped checkpoint (`config.json` in transformers 5's spelling, "
+        "`model.safetensors`, `tokenizer.json`, as published on the Hugging Face Hub) is built here with NumPy, imported into shardkit's "
         "GPT under a hybrid layout on 8 simulated devices, fine-tuned with a held-out loss, exported back, and "
         "checked after the round trip.",
     ),
@@ -599,11 +599,12 @@ FINETUNE = [
     (
         "markdown",
         "## A checkpoint in Hugging Face's layout\nWeights stored as PyTorch's `nn.Linear` keeps them "
-        "(out, in), grouped-query attention (8 query heads, 2 KV heads), a byte-level BPE tokenizer of 512 tokens.",
+        "(out, in), grouped-query attention (8 query heads, 2 KV heads), tied embeddings, Llama 3.1's rotary scaling "
+        "(`rope_type: llama3`, base 500,000), a byte-level BPE tokenizer of 512 tokens.",
     ),
     (
         "code",
-        "ckpt = pathlib.Path('llama-small'); shutil.rmtree(ckpt, ignore_errors=True); ckpt.mkdir()\n"
+        "ckpt = pathlib.Path('llama3-small'); shutil.rmtree(ckpt, ignore_errors=True); ckpt.mkdir()\n"
         "text = sk.builtin_corpus()\n"
         "tokenizer = train_bpe(text, 512, ckpt / 'tokenizer.json')\n"
         "V, D, F, L, H, KV = tokenizer.get_vocab_size(), 128, 344, 2, 8, 2\n"
@@ -611,7 +612,7 @@ FINETUNE = [
         "rng = np.random.default_rng(0)\n"
         "def w(*shape):\n"
         "    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)\n"
-        "tensors = {'model.embed_tokens.weight': w(V, D), 'lm_head.weight': w(V, D), 'model.norm.weight': np.ones(D, np.float32)}\n"
+        "tensors = {'model.embed_tokens.weight': w(V, D), 'model.norm.weight': np.ones(D, np.float32)}  # tied: no lm_head\n"
         "for i in range(L):\n"
         "    p = f'model.layers.{i}.'\n"
         "    tensors |= {p + 'self_attn.q_proj.weight': w(H * K, D), p + 'self_attn.k_proj.weight': w(KV * K, D),\n"
@@ -621,7 +622,9 @@ FINETUNE = [
         "save_file(tensors, str(ckpt / 'model.safetensors'), metadata={'format': 'pt'})\n"
         "config = dict(architectures=['LlamaForCausalLM'], model_type='llama', vocab_size=V, hidden_size=D,\n"
         "              intermediate_size=F, num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=KV,\n"
-        "              max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act='silu')\n"
+        "              head_dim=K, max_position_embeddings=256, rms_norm_eps=1e-5, hidden_act='silu', tie_word_embeddings=True,\n"
+        "              rope_parameters=dict(rope_type='llama3', rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,\n"
+        "                                   high_freq_factor=4.0, original_max_position_embeddings=64))\n"
         "(ckpt / 'config.json').write_text(json.dumps(config, indent=2))\n"
         "print(sorted(p.name for p in ckpt.iterdir()))\n"
         "print(len(tensors), 'tensors,', sum(t.size for t in tensors.values()) / 1e6, 'M parameters')",
@@ -634,8 +637,25 @@ FINETUNE = [
     (
         "code",
         "run = sk.from_pretrained(ckpt, layout='data=2,fsdp=2,tensor=2', optimizer=optax.adamw(1e-3))\n"
-        "print(run.config)\n"
+        "print(run.config.rope_theta, run.config.rope_scaling, run.config.tie_embeddings)\n"
         "print(run.trainer.format_sharding_table())",
+    ),
+    (
+        "markdown",
+        "## What `rope_type: llama3` does\nEach rotary frequency of a head, before and after Llama 3.1's scaling: "
+        "wavelengths longer than the original context are stretched by the factor, short ones kept, the band between "
+        "interpolated. A checkpoint read with the default frequencies gives wrong logits with no error.",
+    ),
+    (
+        "code",
+        "from shardkit.models.rope import inverse_frequencies\n"
+        "plain = inverse_frequencies(K, run.config.rope_theta)\n"
+        "scaled = inverse_frequencies(K, run.config.rope_theta, run.config.rope_scaling)\n"
+        "plt.figure(figsize=(6, 3))\n"
+        "plt.semilogy(plain, 'o-', label='default (base 500,000)')\n"
+        "plt.semilogy(scaled, 's-', label='llama3 scaling, factor 8')\n"
+        "plt.xlabel('frequency index within a head'); plt.ylabel('inverse frequency'); plt.legend(); plt.tight_layout()\n"
+        "print('scaled / plain:', np.round(scaled / plain, 3))",
     ),
     (
         "markdown",
@@ -668,12 +688,12 @@ FINETUNE = [
     (
         "markdown",
         "## Export, and read it back\n`run.save` writes `config.json` (the checkpoint's own keys kept) and "
-        "`model.safetensors`, loadable by other tools as a `LlamaForCausalLM`. Imported again, under another layout, "
+        "`model.safetensors`, loadable by transformers as a `LlamaForCausalLM`. Imported again, under another layout, "
         "it gives the same held-out loss.",
     ),
     (
         "code",
-        "out = pathlib.Path('llama-small-tuned'); shutil.rmtree(out, ignore_errors=True)\n"
+        "out = pathlib.Path('llama3-small-tuned'); shutil.rmtree(out, ignore_errors=True)\n"
         "run.save(state.params, out)\n"
         "with safe_open(str(out / 'model.safetensors'), 'np') as f:\n"
         "    names = sorted(f.keys())\n"
