@@ -10,6 +10,8 @@ memory a process adds while reading it:
   1/(P*D) of the model, a process's 1/P.
 
     python benchmarks/hf_import.py                  # ~220 MB model, 4 processes x 4 devices (16x a device's share)
+    python benchmarks/hf_import.py --experts 8 --layers 2 --json benchmarks/results/hf_import_mixtral.json
+                                                    # Mixtral-shaped: 8 experts a layer, top-2
 """
 
 import argparse
@@ -53,7 +55,8 @@ class RssPeak:
         return self.peak
 
 
-def write_checkpoint(directory: pathlib.Path, dim: int, layers: int, vocab: int) -> int:
+def write_checkpoint(directory: pathlib.Path, dim: int, layers: int, vocab: int, experts: int = 0) -> int:
+    """A random checkpoint: Llama-shaped, or Mixtral-shaped with ``experts`` > 0 (top-2 routing)."""
     from safetensors.numpy import save_file
 
     heads, kv, mlp = 8, 2, int(dim * 2.75)
@@ -72,17 +75,28 @@ def write_checkpoint(directory: pathlib.Path, dim: int, layers: int, vocab: int)
                 p + "self_attn.k_proj.weight": (kv * k, dim),
                 p + "self_attn.v_proj.weight": (kv * k, dim),
                 p + "self_attn.o_proj.weight": (dim, heads * k),
-                p + "mlp.gate_proj.weight": (mlp, dim),
-                p + "mlp.up_proj.weight": (mlp, dim),
-                p + "mlp.down_proj.weight": (dim, mlp),
                 p + "input_layernorm.weight": (dim,),
                 p + "post_attention_layernorm.weight": (dim,),
             }
         )
+        if experts:
+            moe = p + "block_sparse_moe."
+            tensors[moe + "gate.weight"] = (experts, dim)
+            for e in range(experts):
+                x = f"{moe}experts.{e}."
+                tensors.update({x + "w1.weight": (mlp, dim), x + "w3.weight": (mlp, dim), x + "w2.weight": (dim, mlp)})
+        else:
+            tensors.update(
+                {
+                    p + "mlp.gate_proj.weight": (mlp, dim),
+                    p + "mlp.up_proj.weight": (mlp, dim),
+                    p + "mlp.down_proj.weight": (dim, mlp),
+                }
+            )
     arrays = {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in tensors.items()}
     save_file(arrays, str(directory / "model.safetensors"))
     config = dict(
-        model_type="llama",
+        model_type="mixtral" if experts else "llama",
         vocab_size=vocab,
         hidden_size=dim,
         intermediate_size=mlp,
@@ -91,6 +105,8 @@ def write_checkpoint(directory: pathlib.Path, dim: int, layers: int, vocab: int)
         num_key_value_heads=kv,
         max_position_embeddings=2048,
     )
+    if experts:
+        config.update(num_local_experts=experts, num_experts_per_tok=2, rope_theta=1e6, sliding_window=None)
     (directory / "config.json").write_text(json.dumps(config))
     return sum(a.nbytes for a in arrays.values())
 
@@ -137,6 +153,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--devices-per-proc", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=0, help="> 0: a Mixtral-shaped checkpoint of this many experts")
+    parser.add_argument("--layout", default=None, help="default: fsdp over every device")
     parser.add_argument("--json", default="benchmarks/results/hf_import.json")
     parser.add_argument("--worker", nargs=2, metavar=("DIR", "LAYOUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -144,10 +162,10 @@ def main() -> None:
         worker(*args.worker)
         return
     devices = args.nproc * args.devices_per_proc
-    layout = f"fsdp={devices}"
+    layout = args.layout or f"fsdp={devices}"
     with tempfile.TemporaryDirectory() as tmp:
         directory = pathlib.Path(tmp)
-        model_bytes = write_checkpoint(directory, args.dim, args.layers, args.vocab)
+        model_bytes = write_checkpoint(directory, args.dim, args.layers, args.vocab, args.experts)
         whole = whole_file(directory)
         command = [
             sys.executable,
@@ -170,7 +188,8 @@ def main() -> None:
         if done.returncode or len(lines) != args.nproc:
             sys.exit(f"the sharded import failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     mb = 1e6
-    print(f"model {model_bytes / mb:.1f} MB (float32), {devices} devices ({layout}): a device's share is 1/{devices}")
+    kind = f"Mixtral-shaped, {args.experts} experts" if args.experts else "Llama-shaped"
+    print(f"model {model_bytes / mb:.1f} MB ({kind}, float32), {devices} devices ({layout}): a device's share is 1/{devices}")
     print(f"{'how':28s} {'process':>7s} {'share MB':>9s} {'added MB':>9s} {'added/model':>11s} {'added/share':>11s}")
     whole_row = f"{model_bytes / mb:9.1f} {whole / mb:9.1f} {whole / model_bytes:11.2f}"
     print(f"{'whole file, one process':28s} {'-':>7s} {whole_row}")

@@ -213,7 +213,8 @@ def test_plan_time_benchmark_small(tmp_path):
 
 
 @pytest.mark.slow
-def test_hf_import_benchmark_small(tmp_path):
+@pytest.mark.parametrize("experts", [0, 4])  # Llama-shaped, Mixtral-shaped
+def test_hf_import_benchmark_small(tmp_path, experts):
     """Two processes of two devices each read a small checkpoint: each adds less than the model.
 
     With glibc's defaults: under huge pages resident memory grows in 2 MB pages, which on a 10 MB
@@ -232,11 +233,14 @@ def test_hf_import_benchmark_small(tmp_path):
         "2",
         "--devices-per-proc",
         "2",
+        "--experts",
+        str(experts),
         "--json",
         str(tmp_path / "h.json"),
         env=plain,
     )
     result = json.loads((tmp_path / "h.json").read_text())
+    assert ("Mixtral-shaped" in out) == bool(experts)
     assert len(result["processes"]) == 2 and "sharded import" in out
     for p in result["processes"]:
         assert p["share"] * 2 == pytest.approx(result["model_bytes"], rel=0.01)  # fsdp=4 over 2 processes
