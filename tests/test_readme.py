@@ -35,7 +35,7 @@ def user_env() -> dict[str, str]:
 @pytest.fixture
 def workdir(tmp_path):
     """A directory like the repository's root, with real text for ``--data my_text.txt``."""
-    for name in ("examples", "scripts"):
+    for name in ("examples", "scripts", "tests"):  # tests/: the reference checkpoints under tests/fixtures
         (tmp_path / name).symlink_to(ROOT / name)
     (tmp_path / "my_text.txt").write_text((ROOT / "docs" / "architecture.md").read_text() * 4)
     return tmp_path
