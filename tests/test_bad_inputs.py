@@ -94,6 +94,28 @@ def cli_error(*argv: str) -> Callable[[pathlib.Path], object]:
 TRAIN = ("train", "--model", "tiny", "--steps", "2", "--batch", "8", "--seq", "16", "--sample-tokens", "0")
 
 
+REFERENCE = pathlib.Path(__file__).parent / "fixtures" / "hf_reference"
+
+
+def hf_copy(family: str, change: str) -> pathlib.Path:
+    """A copy of a reference checkpoint whose config.json has ``change`` (JSON), made once and
+    outside the case's own directory (which must stay empty)."""
+    return _hf_copy(family, change)
+
+
+@functools.cache
+def _hf_copy(family: str, change: str) -> pathlib.Path:
+    import json
+    import shutil
+    import tempfile
+
+    out = pathlib.Path(tempfile.mkdtemp()) / f"{family}-changed"
+    shutil.copytree(REFERENCE / family, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **json.loads(change)}))
+    return out
+
+
 def train_flags(*extra: str) -> Callable[[pathlib.Path], object]:
     return cli_error(*TRAIN, *extra)
 
@@ -223,6 +245,30 @@ CLI_CASES = [
     Case("cli-launch-no-command", cli_error("launch", "--nproc", "2"), r"needs a command after `--`"),
     Case("cli-launch-unknown-command", cli_error("launch", "--nproc", "2", "--", "no-such-cmd"), r"not found on PATH"),
     Case("cli-unknown-subcommand", cli_error("trian"), r"invalid choice: 'trian'"),
+    Case(
+        "cli-init-from-unknown-config-key",
+        lambda tmp: cli_error(*TRAIN[:1], "--init-from", str(hf_copy("gemma2", '{"logit_scale": 2.0}')), *TRAIN[3:])(
+            tmp
+        ),
+        r"logit_scale=2.0.*does not know",
+    ),
+    Case(
+        "cli-init-from-yarn",
+        lambda tmp: cli_error(
+            *TRAIN[:1],
+            "--init-from",
+            str(hf_copy("llama3", '{"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5}}')),
+            *TRAIN[3:],
+        )(tmp),
+        r"rope_type 'yarn'",
+    ),
+    Case(
+        "cli-init-from-gemma1",
+        lambda tmp: cli_error(*TRAIN[:1], "--init-from", str(hf_copy("gemma2", '{"model_type": "gemma"}')), *TRAIN[3:])(
+            tmp
+        ),
+        r"Gemma 1",
+    ),
 ]
 
 
