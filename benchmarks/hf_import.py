@@ -189,7 +189,8 @@ def main() -> None:
             sys.exit(f"the sharded import failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     mb = 1e6
     kind = f"Mixtral-shaped, {args.experts} experts" if args.experts else "Llama-shaped"
-    print(f"model {model_bytes / mb:.1f} MB ({kind}, float32), {devices} devices ({layout}): a device's share is 1/{devices}")
+    share = f"a device's share is 1/{devices}"
+    print(f"model {model_bytes / mb:.1f} MB ({kind}, float32), {devices} devices ({layout}): {share}")
     print(f"{'how':28s} {'process':>7s} {'share MB':>9s} {'added MB':>9s} {'added/model':>11s} {'added/share':>11s}")
     whole_row = f"{model_bytes / mb:9.1f} {whole / mb:9.1f} {whole / model_bytes:11.2f}"
     print(f"{'whole file, one process':28s} {'-':>7s} {whole_row}")

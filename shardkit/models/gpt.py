@@ -419,7 +419,7 @@ def explicit_attention(
     if cfg.attn_softcap is not None:
         scores = cfg.attn_softcap * jnp.tanh(scores / cfg.attn_softcap)
     pos = np.arange(t)
-    allowed = pos[None, :] <= pos[:, None]  # (T, T) causal, query rows
+    allowed: Any = pos[None, :] <= pos[:, None]  # (T, T) causal, query rows
     if cfg.sliding_window is not None and cfg.sliding_window < t and sliding is not False:
         in_window = allowed & (pos[None, :] > pos[:, None] - cfg.sliding_window)
         allowed = in_window if sliding is True else jnp.where(sliding, in_window, allowed)
@@ -489,7 +489,7 @@ class Attention(nnx.Module):
                 )
             if self.explicit(t):
                 out = explicit_attention(q, k, v, self.cfg, sliding)  # (B, T, H, K)
-            elif ring:
+            elif context is not None and ring:
                 out = ring_attention(q, k, v, *context)  # (B, T, H, K), the sequence split over devices
             else:
                 out = jax.nn.dot_product_attention(
