@@ -190,3 +190,42 @@ def test_a_tensor_the_mapping_needs_or_leaves_over_is_named(tmp_path):
 def test_a_pattern_that_does_not_fit_is_refused_by_name(rule, error, words):
     with pytest.raises(error, match=words):
         Mapping({**GEMMA_LM, "layers/{i}/attn/q/kernel": rule}).load(REFERENCE, trainer_of("fsdp=8"))
+
+
+def test_a_linen_model_loads_and_exports_through_a_mapping(tmp_path):
+    """The Linen LM of examples/ (an MLP of one Dense, no gate; its own head) from the Mistral
+    reference: each parameter is its tensor rearranged, and the export gives the tensors back."""
+    import jax.numpy as jnp
+    from byo_models import LinenLM
+
+    model = sk.from_linen(LinenLM(CFG), jnp.zeros((2, 32), jnp.int32))
+    trainer = sk.Trainer(model, optax.sgd(0.0), "fsdp=4,tensor=2")
+    block = "block_{i}/"
+    mapping = Mapping(
+        {
+            "embed/embedding": "model.embed_tokens.weight",
+            "lm_head/kernel": tensor("lm_head.weight", "v d -> d v"),
+            "RMSNorm_0/scale": "model.norm.weight",
+            block + "RMSNorm_0/scale": LAYER + "input_layernorm.weight",
+            block + "RMSNorm_1/scale": LAYER + "post_attention_layernorm.weight",
+            block + "attention/query/kernel": tensor(LAYER + "self_attn.q_proj.weight", "(n h) d -> d n h", h=16),
+            block + "attention/key/kernel": tensor(LAYER + "self_attn.k_proj.weight", "(n h) d -> d n h", h=16),
+            block + "attention/value/kernel": tensor(LAYER + "self_attn.v_proj.weight", "(n h) d -> d n h", h=16),
+            block + "attention/out/kernel": tensor(LAYER + "self_attn.o_proj.weight", "d (n h) -> n h d", h=16),
+            block + "wi/kernel": tensor(LAYER + "mlp.up_proj.weight", "f d -> d f"),
+            block + "wo/kernel": tensor(LAYER + "mlp.down_proj.weight", "d f -> f d"),
+        },
+        ignore=(r"mlp\.gate_proj",),  # this model has no gate
+    )
+    mistral = REFERENCE.parent / "mistral"
+    params = mapping.load(mistral, trainer)
+    t = load_file(str(mistral / "model.safetensors"))
+    q = np.asarray(params["block_1"]["attention"]["query"]["kernel"])
+    np.testing.assert_array_equal(q, t["model.layers.1.self_attn.q_proj.weight"].T.reshape(64, 4, 16))
+    out = np.asarray(params["block_0"]["attention"]["out"]["kernel"])
+    np.testing.assert_array_equal(out, t["model.layers.0.self_attn.o_proj.weight"].T.reshape(4, 16, 64))
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]["kernel"]), t["lm_head.weight"].T)
+    written = load_file(str(mapping.save(params, tmp_path / "out") / "model.safetensors"))
+    assert written.keys() == {n for n in t if "gate_proj" not in n}
+    for name, array in written.items():
+        assert array.tobytes() == t[name].tobytes(), name
