@@ -482,12 +482,13 @@ class Attention(nnx.Module):
         with jax.named_scope("attention"):
             context = current_rules()
             ring = context is not None and dict(context[0].shape).get("sequence", 1) > 1
-            if ring and self.explicit(t):
+            explicit = self.explicit(t)
+            if ring and explicit:
                 raise ModelError(
                     "Ring attention (a sequence axis > 1) computes plain causal attention; this model's "
                     "sliding window, soft cap or query scale needs a layout without the sequence axis."
                 )
-            if self.explicit(t):
+            if explicit:
                 out = explicit_attention(q, k, v, self.cfg, sliding)  # (B, T, H, K)
             elif context is not None and ring:
                 out = ring_attention(q, k, v, *context)  # (B, T, H, K), the sequence split over devices

@@ -133,17 +133,23 @@ def check_tensors(tensors: Tensors, cfg: GPTConfig) -> None:
     for name, shape in needed.items():
         if tensors.shape(name) != shape:
             raise CheckpointError(f"{name} has shape {tensors.shape(name)}; config.json implies {shape}.")
-        if tensors.dtype(name) not in FLOAT_DTYPES:
-            raise CheckpointError(
-                f"{name} is stored as {tensors.dtype(name)}; shardkit reads floating-point weights "
-                f"({', '.join(FLOAT_DTYPES)}). A quantized checkpoint needs dequantizing first."
-            )
+    check_dtypes(tensors, needed)
     extra = sorted(n for n in tensors.names - set(needed) if not n.endswith(_IGNORED_SUFFIXES))
     if extra:
         raise CheckpointError(
             f"{tensors.directory} has {len(extra)} tensors GPT has no place for, e.g. {extra[:3]} "
             "(a bias or layer this architecture does not have)."
         )
+
+
+def check_dtypes(tensors: Tensors, names: Any) -> None:
+    """Every tensor in ``names`` is stored as a floating-point dtype a parameter can be read from."""
+    for name in names:
+        if tensors.dtype(name) not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{name} is stored as {tensors.dtype(name)}; shardkit reads floating-point weights "
+                f"({', '.join(FLOAT_DTYPES)}). A quantized checkpoint needs dequantizing first."
+            )
 
 
 def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -169,11 +175,24 @@ def load_params(directory: str | os.PathLike[str], cfg: GPTConfig, shardings: An
     """
     tensors = Tensors(directory)
     check_tensors(tensors, cfg)
-    by_path = views(cfg)
     dtype = _numpy_dtype(cfg.param_dtype)
+    return read_sharded(tensors, views(cfg), shardings, lambda _: dtype)
+
+
+def read_sharded(tensors: Tensors, by_path: Mapping[Any, Any], shardings: Any, dtype_of: Callable[[Any], Any]) -> Any:
+    """Each parameter built from its view's blocks with ``jax.make_array_from_callback``: a
+    process reads only what its own devices hold.
+
+    Args:
+      tensors: the checkpoint's lazy reader.
+      by_path: parameter path (``path_key``) -> its view of checkpoint tensors.
+      shardings: the tree of parameter shardings.
+      dtype_of: parameter path -> the dtype to hold it in.
+    """
 
     def one(path: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-        view = by_path[path_key(path)]
+        key = path_key(path)
+        view, dtype = by_path[key], dtype_of(key)
         return jax.make_array_from_callback(
             view.shape, sharding, lambda index: view.read(tensors, index).astype(dtype, copy=False)
         )

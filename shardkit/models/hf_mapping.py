@@ -7,25 +7,15 @@ joins tensors along a dimension, :func:`stack` on a new leading one. The mapping
 same views the GPT import uses (:mod:`shardkit.models.hf_views`), so each parameter is born
 sharded and each process reads only the blocks of the tensors its own devices hold.
 
-Example (``examples/byo_models.py``'s Gemma-style ``GemmaLM`` from a Llama-layout checkpoint)::
+Example (two rules of ``examples/byo_models.py``'s ``GemmaLM``; the whole mapping is in the
+README, section "Into your own model")::
 
     from shardkit.models.hf_mapping import Mapping, stack, tensor
 
-    layer = "model.layers.{i}."
     mapping = Mapping({
-        "embed/embedding": "model.embed_tokens.weight",
-        "layers/{i}/pre_attn/scale": layer + "input_layernorm.weight",
-        "layers/{i}/attn/q/kernel": tensor(layer + "self_attn.q_proj.weight", "(n h) d -> d n h", h=16),
-        "layers/{i}/attn/kv/kernel": stack(
-            tensor(layer + "self_attn.k_proj.weight", "(k h) d -> d k h", h=16),
-            tensor(layer + "self_attn.v_proj.weight", "(k h) d -> d k h", h=16),
-        ),
-        "layers/{i}/attn/out/kernel": tensor(layer + "self_attn.o_proj.weight", "d (n h) -> n h d", h=16),
-        "layers/{i}/pre_mlp/scale": layer + "post_attention_layernorm.weight",
-        "layers/{i}/mlp/gate/kernel": tensor(layer + "mlp.gate_proj.weight", "f d -> d f"),
-        "layers/{i}/mlp/up/kernel": tensor(layer + "mlp.up_proj.weight", "f d -> d f"),
-        "layers/{i}/mlp/down/kernel": tensor(layer + "mlp.down_proj.weight", "d f -> f d"),
+        "layers/{i}/attn/q/kernel": tensor("model.layers.{i}.self_attn.q_proj.weight", "(n h) d -> d n h", h=16),
         "final_norm/scale": "model.norm.weight",
+        ...  # one rule per parameter
     })
     params = mapping.load("checkpoint/", trainer)      # born sharded, as trainer.init expects
     state = trainer.init(0, params=params)
@@ -165,10 +155,10 @@ class Mapping:
         self.rules = dict(rules)
         self.stacked = stacked
         self.ignore = tuple(re.compile(p) for p in ignore)
-        self._patterns = [(re.compile(_path_regex(path) + "$"), path, part) for path, part in self.rules.items()]
+        self._patterns = [(re.compile(_path_regex(path) + "$"), part) for path, part in self.rules.items()]
 
     def _rule(self, path: str) -> tuple[dict[str, str], Part]:
-        for regex, _, part in self._patterns:
+        for regex, part in self._patterns:
             match = regex.match(path)
             if match:
                 return match.groupdict(), part
@@ -221,7 +211,6 @@ class Mapping:
         """The checkpoint's tensors as ``trainer``'s parameters, each born sharded (for
         ``trainer.init(seed, params=...)``); every tensor used or ignored, none left over."""
         tensors = hf.Tensors(directory)
-        shardings = trainer.state_shardings.params
         abstract = trainer.abstract_params
         views = self.views(abstract, tensors)
         used = {n for v in views.values() for n in v.sources()}
@@ -231,19 +220,9 @@ class Mapping:
                 f"{tensors.directory} has {len(extra)} tensors the mapping does not read, e.g. {extra[:3]}; "
                 "map them, or pass ignore=(regex, ...) if the model does not use them."
             )
-        for name in used:
-            if tensors.dtype(name) not in hf.FLOAT_DTYPES:
-                raise CheckpointError(f"{name} is stored as {tensors.dtype(name)}; shardkit reads {hf.FLOAT_DTYPES}.")
+        hf.check_dtypes(tensors, used)
         dtypes = {path_key(p): leaf.dtype for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
-
-        def one(path: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-            key = path_key(path)
-            view, dtype = views[key], dtypes[key]
-            return jax.make_array_from_callback(
-                view.shape, sharding, lambda index: view.read(tensors, index).astype(dtype, copy=False)
-            )
-
-        return jax.tree_util.tree_map_with_path(one, shardings)
+        return hf.read_sharded(tensors, views, trainer.state_shardings.params, dtypes.__getitem__)
 
     def save(
         self, params: Any, directory: str | os.PathLike[str], *, config: MappingABC[str, Any] | None = None
