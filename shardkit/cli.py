@@ -177,6 +177,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
         only=("model", "devices", "batch", "seq"),
         overrides={"devices": {"required": True}, "batch": {"required": True}, "seq": {"required": True}},
     )
+    add_flags(p, DryRunSettings, only=("init_from",))
     p.add_argument("--hardware", **HARDWARE_FLAG)
     add_flags(p, PlanOptions)
     p.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -59,8 +59,8 @@ class TrainConfig:
     )
     init_from: str | None = setting(
         None,
-        "start from a Hugging Face checkpoint directory (config.json + *.safetensors; Llama, Mistral or Qwen2): "
-        "the model is the checkpoint's, not --model's",
+        "start from a Hugging Face checkpoint directory (config.json + *.safetensors; Llama 2/3.x, Mistral, "
+        "Mixtral, Qwen2/2.5, Qwen3, Gemma 2/3): the model is the checkpoint's, not --model's",
     )
     tokenizer: str | None = setting(
         None,
@@ -245,6 +245,14 @@ def _profile_range(text: str, steps: int) -> range:
     return span
 
 
+# dryrun and plan read only a checkpoint's config.json, so they also take the shipped configs.
+INIT_FROM_CONFIG = (
+    "the model of a Hugging Face checkpoint directory (its config.json alone: no weights are read), or a shipped "
+    "config of a real size: llama-3.1-8b, llama-3.1-70b, llama-3.1-405b, mixtral-8x7b, qwen3-32b, gemma-3-27b; "
+    "the model is that, not --model's"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class DryRunSettings:
     """The settings of a dry run (the flags of ``shardkit dryrun`` and ``inspect``): the training
@@ -252,6 +260,7 @@ class DryRunSettings:
     studies. :class:`shardkit.dryrun.DryRunConfig` adds what needs JAX."""
 
     model: str = same_as(TrainConfig, "model")
+    init_from: str | None = same_as(TrainConfig, "init_from", help=INIT_FROM_CONFIG)
     layout: str = same_as(TrainConfig, "layout")
     batch: int = same_as(TrainConfig, "batch")
     seq: int | None = same_as(TrainConfig, "seq")

@@ -30,8 +30,17 @@ from shardkit.extrapolate import MAX_COMPILED_DEVICES, extrapolate, shrink_plan
 from shardkit.flags import to_argv
 from shardkit.mesh import Layout
 from shardkit.model import Model
-from shardkit.model_source import ModelSource, build_model, factory_ref, is_factory_ref, load_factory
+from shardkit.model_source import (
+    ModelSource,
+    build_model,
+    factory_ref,
+    importable_name,
+    is_factory_ref,
+    load_factory,
+)
+from shardkit.models import hf_config, published
 from shardkit.models.gpt import GPTConfig
+from shardkit.models.hf import read_config
 from shardkit.report import Report
 from shardkit.train import Trainer
 
@@ -54,14 +63,28 @@ class DryRunConfig(DryRunSettings):
         return layout.num_devices
 
     def gpt_config(self) -> GPTConfig:
+        """The GPT of a preset (``model``), or of a checkpoint's ``config.json`` (``init_from``)."""
         overrides: dict[str, Any] = {"remat": self.remat, "scan_layers": self.scan_layers}
         if self.n_layers is not None:
             overrides["n_layers"] = self.n_layers
+        if self.init_from:
+            return hf_config.gpt_config(hf_config_of(self.init_from), **overrides)
         return GPTConfig.preset(self.model, **overrides)
+
+    def model_label(self) -> str:
+        """What the report calls the model: the preset or factory, or ``family:name`` of a config."""
+        if not self.init_from:
+            return self.model
+        return f"{hf_config_of(self.init_from).get('model_type', 'hf')}:{published.config_dir(self.init_from).name}"
 
     def cli_args(self) -> list[str]:
         """The ``shardkit dryrun`` flags of this configuration (for a subprocess)."""
         return to_argv(self)
+
+
+def hf_config_of(source: str) -> dict[str, Any]:
+    """The ``config.json`` of a checkpoint directory or of a shipped config (``init_from``)."""
+    return read_config(published.config_dir(source))
 
 
 def _factory_trainer(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> tuple[Trainer, dict[str, Any]]:
@@ -115,20 +138,26 @@ def trainer_for(
     ``cfg.model`` names a GPT preset or a factory (``package.module:function``); ``factory``,
     when given, is that factory already in hand.
     """
+    if cfg.init_from and (factory is not None or is_factory_ref(cfg.model)):
+        raise ModelError(
+            f"Both a model factory ({cfg.model if factory is None else importable_name(factory)}) and --init-from "
+            f"{cfg.init_from}: give one."
+        )
     if factory is not None or is_factory_ref(cfg.model):
         return _factory_trainer(cfg, factory)
     gpt = cfg.gpt_config()
+    label = cfg.model_label()
     seq = cfg.seq or gpt.max_seq
     if seq > gpt.max_seq:
-        raise InputError(f"--seq {seq} exceeds the {cfg.model} model's max_seq={gpt.max_seq}.")
-    return _trainer_and_batch(gpt.model(name=f"GPT-{cfg.model}"), cfg, seq)
+        raise InputError(f"--seq {seq} exceeds the {label} model's max_seq={gpt.max_seq}.")
+    return _trainer_and_batch(gpt.model(name=f"GPT-{label}"), cfg, seq)
 
 
 def _in_process(cfg: DryRunConfig, factory: Callable[[], Model] | None = None) -> dict[str, Any]:
     trainer, batch = trainer_for(cfg, factory)
     report: Report = trainer.report(batch)
     out = report.to_dict()
-    out["model"] = cfg.model
+    out["model"] = cfg.model_label() if factory is None else cfg.model
     out["config"] = dataclasses.asdict(cfg)
     out["peak_host_memory_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
@@ -213,7 +242,7 @@ def _extrapolated(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> dic
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         small, large = pool.map(_in_subprocess, smaller)
     result = extrapolate(small, large, shrink, layout)
-    result["model"], result["config"] = cfg.model, dataclasses.asdict(cfg)
+    result["model"], result["config"] = cfg.model_label() if factory is None else cfg.model, dataclasses.asdict(cfg)
     return result
 
 

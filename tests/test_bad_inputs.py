@@ -220,6 +220,29 @@ CLI_CASES = [
         cli_error("dryrun", "--model", "byo_factories:no_such_factory", "--layout", "fsdp=8"),
         r"no_such_factory",
     ),
+    Case(
+        "cli-dryrun-init-from-nothing-there",
+        cli_error("dryrun", "--init-from", "no-such-model", "--seq", "64", "--layout", "fsdp=8"),
+        r"no config.json there.*llama-3.1-70b",
+    ),
+    Case(
+        "cli-dryrun-init-from-seq-too-long",
+        cli_error("dryrun", "--init-from", "qwen3-32b", "--seq", "65536", "--layout", "fsdp=8"),
+        r"--seq 65536 exceeds the qwen3:qwen3-32b model's max_seq=40960",
+    ),
+    Case(
+        "cli-dryrun-init-from-and-factory",
+        cli_error("dryrun", "--model", "byo_factories:gemma_lm", "--init-from", "llama-3.1-8b", "--seq", "64"),
+        r"Both a model factory",
+    ),
+    Case(
+        "cli-plan-init-from-unknown-key",
+        lambda tmp: cli_error(
+            "plan", "--init-from", str(hf_copy("qwen3", '{"logit_scale": 2.0}')), "--devices", "8", "--batch", "8",
+            "--seq", "64",
+        )(tmp),
+        r"logit_scale",
+    ),
     Case("cli-dryrun-batch-zero", cli_error("dryrun", "--model", "tiny", "--batch", "0"), r"batch"),
     Case("cli-dryrun-fill-without-devices", cli_error("dryrun", "--model", "tiny", "--layout", "data=-1"), r"-1"),
     Case("cli-dryrun-devices-zero", cli_error("dryrun", "--model", "tiny", "--devices", "0"), r"--devices 0"),
@@ -415,6 +438,12 @@ API_CASES = [
         r"matched no parameter",
     ),
     Case("api-dryrun-unknown-model", api(lambda: sk.dryrun(model="gpt5", layout="fsdp=8")), r"gpt5"),
+    Case(
+        "api-plan-init-from-and-model",
+        api(lambda: sk.plan("tiny", 8, "h100", 8, 64, init_from="llama-3.1-8b")),
+        r"both a model",
+    ),
+    Case("api-plan-without-devices", api(lambda: sk.plan(init_from="llama-3.1-8b", batch=8, seq=64)), r"devices"),
     Case("api-dryrun-not-a-model", api(lambda: sk.dryrun(model=42, layout="fsdp=8")), r"42"),
     Case("api-simulate-zero", api(lambda: sk.simulate_devices(0)), r"positive integer"),
     Case("api-simulate-too-late", api(lambda: sk.simulate_devices(4)), r"restart the kernel"),

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shardkit.errors import LayoutError
+from shardkit.errors import InputError, LayoutError, ModelError, short_repr
 from shardkit.estimate import predict
 from shardkit.hardware import Hardware, get_hardware
 from shardkit.model_source import ModelSource, build_model, importable_name, is_factory_ref, load_factory
@@ -72,8 +72,16 @@ def rank(plans: list[Plan]) -> list[Plan]:
     return sorted(plans, key=key)
 
 
-def _facts_of(model: ModelSource, options: PlanOptions) -> tuple[ModelFacts, str, PlanOptions]:
+def _facts_of(
+    model: ModelSource | None, options: PlanOptions, init_from: str | None
+) -> tuple[ModelFacts, str, PlanOptions]:
     """The model's facts, the name its dry runs go by, and the options it allows."""
+    if init_from is not None:
+        if model is not None:
+            raise ModelError(f"plan: both a model ({short_repr(model)}) and init_from={init_from!r}; give one.")
+        return ModelFacts.of_config(init_from), init_from, options
+    if model is None:
+        raise ModelError("plan: give the model (a GPT preset, a factory or its name), or init_from=DIR.")
     factory = model if callable(model) else None
     if factory is None and not is_factory_ref(model):  # type: ignore[arg-type]
         return ModelFacts.of_preset(model), model, options  # type: ignore[arg-type, return-value]
@@ -134,7 +142,8 @@ def _result(
     precision = question.precision.name
     flags = None
     if best:
-        flags = f"--model {question.model_name} --batch {question.batch} --seq {question.seq} {best.cli_flags()} "
+        source = f"--init-from {question.init_from}" if question.init_from else f"--model {question.model_name}"
+        flags = f"{source} --batch {question.batch} --seq {question.seq} {best.cli_flags()} "
         flags += f"--precision {precision}"
     return PlanResult(
         model=question.model_name,
@@ -155,13 +164,14 @@ def _result(
 
 
 def plan(
-    model: ModelSource,
-    devices: int,
-    hardware: str | Hardware,
-    batch: int,
-    seq: int,
+    model: ModelSource | None = None,
+    devices: int = 0,
+    hardware: str | Hardware = "h100",
+    batch: int = 0,
+    seq: int = 0,
     options: PlanOptions | None = None,
     *,
+    init_from: str | None = None,
     cache_dir: str | pathlib.Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
@@ -173,6 +183,8 @@ def plan(
 
     Args:
       model: a GPT preset name, a model factory or its ``"package.module:function"`` name.
+      init_from: instead of ``model``, a Hugging Face checkpoint directory (its ``config.json``
+        alone is read) or a shipped config's name (:mod:`shardkit.models.published`).
       devices: the device count to plan for.
       hardware: a profile name (``h100``, ...) or a :class:`~shardkit.hardware.Hardware`.
       batch, seq: global batch rows and sequence length.
@@ -192,11 +204,16 @@ def plan(
       >>> result = plan("tiny", 8, "h100", batch=16, seq=64)   # doctest: +SKIP
       >>> result["best"]                                         # doctest: +SKIP
       'data=8'
+      >>> plan(init_from="llama-3.1-70b", devices=512, batch=1024, seq=4096).best_flags  # doctest: +SKIP
+      '--init-from llama-3.1-70b --batch 1024 --seq 4096 --layout data=64,fsdp=8 ...'
     """
     start = time.perf_counter()
+    for name, value in (("devices", devices), ("batch", batch), ("seq", seq)):
+        if value < 1:
+            raise InputError(f"plan: give {name}, a positive number (got {value}).")
     say = progress or (lambda _: None)
-    facts, model_name, options = _facts_of(model, options or PlanOptions())
-    question = Question(facts, model_name, devices, get_hardware(hardware), batch, seq, options)
+    facts, model_name, options = _facts_of(model, options or PlanOptions(), init_from)
+    question = Question(facts, model_name, devices, get_hardware(hardware), batch, seq, options, init_from)
     layouts = candidate_layouts(facts, devices, batch, question.hw, options, seq)
     pruned, candidates = price(question, layouts)
     if not pruned and not candidates:

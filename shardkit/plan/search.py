@@ -12,12 +12,13 @@ from typing import Any, NamedTuple
 
 import jax
 
-from shardkit.dryrun import DryRunConfig, dry_run_optimizer
+from shardkit.dryrun import DryRunConfig, dry_run_optimizer, hf_config_of
 from shardkit.errors import ShardkitError
 from shardkit.estimate import Estimate, ModelSizes, analytic, axis_links, optimizer_bytes_per_param
 from shardkit.hardware import Hardware
 from shardkit.model import Model, model_facts
 from shardkit.models.gpt import GPTConfig
+from shardkit.models.hf_config import gpt_config
 from shardkit.partition import Axes, specs_for
 from shardkit.plan.options import Plan, PlanOptions, size_text
 from shardkit.precision import Precision, as_precision
@@ -60,6 +61,15 @@ class ModelFacts:
     @classmethod
     def of_preset(cls, name: str) -> ModelFacts:
         return cls.of_gpt(GPTConfig.preset(name), name)
+
+    @classmethod
+    def of_config(cls, source: str) -> ModelFacts:
+        """The facts of a Hugging Face ``config.json`` (a checkpoint directory or a shipped
+        config's name); the config's text is the fingerprint its cached dry runs are kept by."""
+        config = hf_config_of(source)
+        facts = cls.of_gpt(gpt_config(config), source)
+        fingerprint = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+        return dataclasses.replace(facts, fingerprint=fingerprint)
 
     @classmethod
     def of_gpt(cls, cfg: GPTConfig, name: str = "GPT") -> ModelFacts:
@@ -203,6 +213,7 @@ class Question:
     batch: int
     seq: int
     options: PlanOptions
+    init_from: str | None = None  # the model is this config's, not model_name's preset
 
     @functools.cached_property
     def optimizer_bytes(self) -> float:
@@ -246,7 +257,7 @@ class Question:
     def dry_run(self, spec: str, setting: Setting, schedule: str | None) -> DryRunConfig:
         """The dry run that compiles one setting of one layout."""
         return DryRunConfig(
-            model=self.model_name,
+            **({"init_from": self.init_from} if self.init_from else {"model": self.model_name}),
             layout=spec,
             batch=self.batch,
             seq=self.seq,

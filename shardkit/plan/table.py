@@ -83,12 +83,13 @@ def run_cli(args: Any) -> None:
     stream = sys.stderr if args.json else sys.stdout
     try:
         result = plan(
-            args.model,
+            None if args.init_from else args.model,
             args.devices,
             args.hardware,
             args.batch,
             args.seq,
             options,
+            init_from=args.init_from,
             progress=lambda m: print(m, file=stream, flush=True),
         )
     except PlanInterrupted as stop:
