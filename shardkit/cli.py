@@ -93,6 +93,8 @@ def _devices_for(layout: str, devices: int | None) -> int:
     """``--devices``, or by default the layout's device count (8 when it has a -1)."""
     if devices is not None:
         return devices
+    if layout == "auto":  # the planner places the run on the devices there are
+        return DEFAULT_SIMULATED_DEVICES
     from shardkit.mesh import Layout
 
     parsed = Layout.parse(layout)
@@ -231,7 +233,7 @@ def _inspect(cfg: Any, as_json: bool) -> None:
 
     trainer, batch = trainer_for(cfg)
     if as_json:  # the same facts for a program: the table's rows, the report, the warnings
-        report = trainer.report(batch)
+        report = trainer.report(batch, dry_run=True)
         out = {
             "model": trainer.model.name,
             "layout": trainer.layout.spec(),
@@ -244,7 +246,7 @@ def _inspect(cfg: Any, as_json: bool) -> None:
     print(f"{trainer.model.name}: parameters and their shardings (layout {trainer.layout.spec()})")
     print(trainer.format_sharding_table())
     print()
-    print(trainer.report(batch).table())
+    print(trainer.report(batch, dry_run=True).table())
     warnings = sharding_warnings(trainer)
     for w in warnings:
         print(f"warning: {w}")

@@ -67,7 +67,16 @@ class TrainConfig:
         "a tokenizer.json (Hugging Face tokenizers) to cut the text with; a preset's vocabulary becomes its size. "
         "Default: byte tokens (vocab 256), or the --init-from checkpoint's own tokenizer.json",
     )
-    layout: str = setting("data=2,fsdp=2,tensor=2", "mesh axis sizes, e.g. data=2,fsdp=-1,tensor=2 (-1 fills the rest)")
+    layout: str = setting(
+        "data=2,fsdp=2,tensor=2",
+        "mesh axis sizes, e.g. data=2,fsdp=-1,tensor=2 (-1 fills the rest); auto: the planner's fastest plan that fits "
+        "the devices present (layout, microbatches, remat and ZeRO stage; chosen again on each resume)",
+    )
+    hardware: str | None = setting(
+        None,
+        "with --layout auto, the device to plan for: h100, h200, a100, tpu-v5p, tpu-v5e or a JSON profile "
+        "(default: the devices' own; h100 for simulated CPU devices)",
+    )
     steps: int = setting(500, "optimizer steps")
     batch: int = setting(16, "global batch (sequences per step)")
     seq: int = setting(128, "sequence length (tokens the model sees per sequence)")
@@ -274,13 +283,14 @@ class DryRunSettings:
     sequence_parallel: bool = same_as(TrainConfig, "sequence_parallel")
     scan_layers: bool = setting(True, "unroll the layer stack instead of scanning it", flag="--unrolled", negate=True)
     n_layers: int | None = setting(None, "override the preset's number of layers", flag="--layers")
+    vocab: int | None = setting(None, "override the model's vocabulary size (a tokenizer's)")
     devices: int | None = same_as(TrainConfig, "devices")
 
     def __post_init__(self) -> None:
         for name, least in (("batch", 1), ("microbatches", 1), ("virtual_stages", 1)):
             if getattr(self, name) < least:
                 raise InputError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(self, name)}.")
-        for name in ("seq", "n_layers", "devices"):
+        for name in ("seq", "n_layers", "vocab", "devices"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 flag = {"n_layers": "layers"}.get(name, name)
@@ -296,7 +306,8 @@ class PlanOptions:
     sequence and fit in a node with tensor; ``stage=None``: 1, 2, 4, 8 where they divide the
     layers. Pipelines try microbatches most first (the 1F1B bubble shrinks with more and its
     memory does not grow); others fewest first. ``compile_top``: how many layouts, the fastest by
-    the analytic estimate, are compiled (``None``: all). ``workers``: processes compiling at once
+    the analytic estimate, are compiled (``None``: all), less those whose estimate is slower than a
+    plan already compiled that fits (``prune``). ``workers``: processes compiling at once
     (``None``: one per core, or this process when it already has the devices)."""
 
     precision: str = same_as(TrainConfig, "precision", "bf16-master")  # plans are for accelerators
@@ -320,6 +331,13 @@ class PlanOptions:
         6, "compile this many layouts, the fastest by the analytic estimate (0: all of them)", zero_is_none=True
     )
     workers: int | None = setting(None, "processes compiling at once (default: one per core)")
+    prune: bool = setting(
+        True,
+        "compile no layout whose estimate is already slower than a compiled plan that fits, while every compiled "
+        "layout has been slower than its estimate (the least work it does); off: compile every one of --compile-top",
+        flag="--no-prune",
+        negate=True,
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", self.schedule or "1f1b")

@@ -67,6 +67,8 @@ class DryRunConfig(DryRunSettings):
         overrides: dict[str, Any] = {"remat": self.remat, "scan_layers": self.scan_layers}
         if self.n_layers is not None:
             overrides["n_layers"] = self.n_layers
+        if self.vocab is not None:
+            overrides["vocab"] = self.vocab
         if self.init_from:
             return hf_config.gpt_config(hf_config_of(self.init_from), **overrides)
         return GPTConfig.preset(self.model, **overrides)
@@ -95,7 +97,7 @@ def _factory_trainer(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> 
         raise InputError(f"Model {label} is your own: give the sequence length (--seq N, or seq=N) for a dry run.")
     changed = [
         f
-        for f in ("remat", "scan_layers", "n_layers")
+        for f in ("remat", "scan_layers", "n_layers", "vocab")
         if getattr(cfg, f) != DryRunConfig.__dataclass_fields__[f].default
     ]
     if changed:
@@ -155,7 +157,7 @@ def trainer_for(
 
 def _in_process(cfg: DryRunConfig, factory: Callable[[], Model] | None = None) -> dict[str, Any]:
     trainer, batch = trainer_for(cfg, factory)
-    report: Report = trainer.report(batch)
+    report: Report = trainer.report(batch, dry_run=True)
     out = report.to_dict()
     out["model"] = cfg.model_label() if factory is None else cfg.model
     out["config"] = dataclasses.asdict(cfg)
@@ -168,7 +170,7 @@ def can_run_here(n: int) -> bool:
     if not xla_bridge.backends_are_initialized():
         return True
     devices = jax.devices()
-    return devices[0].platform == "cpu" and len(devices) == n
+    return devices[0].platform == "cpu" and len(devices) == n and jax.process_count() == 1
 
 
 def dryrun(

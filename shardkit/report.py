@@ -33,6 +33,7 @@ from shardkit.precision import Precision
 from shardkit.report_data import CollectiveStat, Memory, Report, moved_bytes, source_op
 from shardkit.rules import Rules, entry_axes
 from shardkit.sharding import unnamed_model_note
+from shardkit.xla_flags import DRY_RUN_OPTIONS
 
 
 class CompiledStep(Protocol):
@@ -216,10 +217,14 @@ def lower_bound(
     }
 
 
-def build_report(trainer: CompiledStep, batch: dict[str, Any], compile_seconds: float | None = None) -> Report:
-    """The report of ``trainer``'s step compiled for batches shaped like ``batch``."""
+def build_report(
+    trainer: CompiledStep, batch: dict[str, Any], compile_seconds: float | None = None, dry_run: bool = False
+) -> Report:
+    """The report of ``trainer``'s step compiled for batches shaped like ``batch``; ``dry_run``:
+    a program that will not run, compiled without the backend's code optimization
+    (:data:`shardkit.xla_flags.DRY_RUN_OPTIONS`)."""
     abstract = trainer.abstract_state()
-    compiled, partitioned_text = _compiled(trainer, batch, abstract.params)
+    compiled, partitioned_text = _compiled(trainer, batch, abstract.params, dry_run)
     text = compiled.as_text()
     mem = compiled.memory_analysis()
     if text is None or mem is None:
@@ -277,19 +282,21 @@ def build_report(trainer: CompiledStep, batch: dict[str, Any], compile_seconds: 
     )
 
 
-def _compiled(trainer: CompiledStep, batch: dict[str, Any], params: Any) -> tuple[jax.stages.Compiled, str | None]:
+def _compiled(
+    trainer: CompiledStep, batch: dict[str, Any], params: Any, dry_run: bool = False
+) -> tuple[jax.stages.Compiled, str | None]:
     """The compiled step, and on the CPU backend with bf16 in play (in the compute dtype or the
     ``params``) the module as the SPMD partitioner left it (``shardkit.partitioned``: the CPU
     compiler runs bf16 collectives in f32)."""
     bf16 = jnp.dtype(trainer.precision.compute) == jnp.bfloat16 or any(
         x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params)
     )
-    if trainer.mesh.devices.flat[0].platform != "cpu" or not bf16:
-        return trainer.compile(batch), None
+    cpu = trainer.mesh.devices.flat[0].platform == "cpu"
+    options: dict[str, Any] = {**trainer.compiler_options, **(DRY_RUN_OPTIONS if dry_run and cpu else {})}
+    if not cpu or not bf16:  # a dry run's program is not the one a step may run: not cached
+        return (trainer.lower(batch).compile(compiler_options=options) if dry_run else trainer.compile(batch)), None
     with tempfile.TemporaryDirectory(prefix="shardkit-partitioned-") as directory, partitioned.uncached():
-        compiled = trainer.lower(batch).compile(
-            compiler_options={**trainer.compiler_options, **partitioned.dump_options(directory)}
-        )
+        compiled = trainer.lower(batch).compile(compiler_options={**options, **partitioned.dump_options(directory)})
         return compiled, partitioned.read(directory)
 
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import optax
 
-from shardkit import run_dir
+from shardkit import auto_layout, run_dir
 from shardkit.checkpoint import Checkpointer
 from shardkit.config import OPTIMIZER_NAMES, TrainConfig
 from shardkit.data import TextDataset
@@ -125,8 +125,9 @@ class _Loop:
     evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, held-out loss)
 
 
-def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
-    """The dataset and the trainer of the main job, checked and described before any compile."""
+def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer, TrainConfig]:
+    """The dataset and the trainer of the main job, checked and described before any compile, and
+    ``cfg`` as placed (``--layout auto``: by the planner's best plan for the devices present)."""
     dataset = dataset_of(cfg)
     own_vocab = dataset.tokenizer is not None or dataset.vocab != TextDataset.VOCAB  # tokenizer or token ids
     gpt_cfg, name = model_of(cfg, dataset.vocab if own_vocab else None)
@@ -135,6 +136,9 @@ def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
         raise ModelError(f"The model {name} has vocab {gpt_cfg.vocab} < {what} {dataset.vocab}.")
     if cfg.seq > gpt_cfg.max_seq:
         raise InputError(f"--seq {cfg.seq} exceeds the {name} model's max_seq={gpt_cfg.max_seq}.")
+    if cfg.layout == auto_layout.AUTO:
+        cfg = auto_layout.choose(cfg, gpt_cfg.vocab if own_vocab and not cfg.init_from else None, out)
+        gpt_cfg = dataclasses.replace(gpt_cfg, remat=cfg.remat)
     trainer = Trainer(
         gpt_cfg.model(name=name),
         OPTIMIZERS[cfg.optimizer](cfg),
@@ -160,7 +164,7 @@ def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer]:
     # The batch shape is known now: refuse one that does not split, before anything is compiled.
     tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), np.int32)
     trainer.plan.check_microbatches({"tokens": tokens}, cfg.microbatches)
-    return dataset, trainer
+    return dataset, trainer, cfg
 
 
 def _start_or_resume(
@@ -296,12 +300,13 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, progress: bool = True)
     out = sys.stdout if out is None else out
     if not is_primary():  # several processes, one program: process 0 speaks for all
         out = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the run
-    dataset, trainer = _trainer_for(cfg, out)
+    dataset, trainer, chosen = _trainer_for(cfg, out)
     held_out = None
     if cfg.eval_every:  # the last 5% of the text is never trained on
         dataset, held_out = dataset.split(HELD_OUT)
-    if cfg.run_dir:  # everything is checked: now the run directory may be written
+    if cfg.run_dir:  # everything is checked: now the run directory may be written (as asked: "auto")
         cfg = run_dir.prepare(cfg)
+    cfg = auto_layout.placed(cfg, chosen)
     run = run_fingerprint(cfg, dataset)
     ckpt, _, first_step = start = _start_or_resume(cfg, trainer, run, out)
     bar = Progress(cfg.steps, cfg.batch * cfg.seq, first=first_step) if progress and is_primary() else None

@@ -435,16 +435,19 @@ class Trainer:
                 )
 
     # -- explaining ---------------------------------------------------------------------------
-    def report(self, batch: Mapping[str, Any]) -> Report:
+    def report(self, batch: Mapping[str, Any], dry_run: bool = False) -> Report:
         """What the compiled step does per device: collectives, memory, FLOPs, lower bound.
 
         ``batch`` may be abstract (``jax.ShapeDtypeStruct``); see :class:`shardkit.report.Report`.
+        ``dry_run``: the step will not run here, so it compiles without the CPU backend's code
+        optimization (the same buffers and collectives, a faster compile; the program is not
+        kept for :meth:`step`).
         """
         start = time.perf_counter()
-        fresh = _batch_key(batch) not in self._compiled
+        fresh = dry_run or _batch_key(batch) not in self._compiled
         # build_report compiles (through self.compile, or once with XLA's partitioner dump on CPU
         # when bf16 is in play), so the time of a fresh report is its compile's, plus the reading.
-        report = build_report(self, dict(batch))
+        report = build_report(self, dict(batch), dry_run=dry_run)
         return dataclasses.replace(report, compile_seconds=time.perf_counter() - start if fresh else None)
 
     def sharding_table(self) -> list[dict[str, Any]]:

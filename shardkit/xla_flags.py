@@ -78,6 +78,12 @@ def use_overlap_flags(environ: MutableMapping[str, str] = os.environ) -> bool:
 CPU_MEMORY_SCHEDULER: dict[str, str | bool] = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
+# A dry run compiles a step it never runs: only the CPU backend's buffers and collectives are read,
+# which come from the HLO passes and buffer assignment, before code generation; LLVM's
+# optimization of the generated code is a fifth of a 70B step's compile and changes neither
+# (tests/test_report.py compares the two compiles' reports).
+DRY_RUN_OPTIONS: dict[str, str | bool | int] = {"xla_backend_optimization_level": 0}
+
 # XLA:CPU has no bf16 matmuls or slices: a pass converts each bf16 operation to f32, so a scanned
 # layer stack reads each layer's weights as dynamic-slice(convert(stacked weights)), and
 # while-loop-invariant code motion then converts the whole stack to f32 once, before the loop:

@@ -238,8 +238,15 @@ CLI_CASES = [
     Case(
         "cli-plan-init-from-unknown-key",
         lambda tmp: cli_error(
-            "plan", "--init-from", str(hf_copy("qwen3", '{"logit_scale": 2.0}')), "--devices", "8", "--batch", "8",
-            "--seq", "64",
+            "plan",
+            "--init-from",
+            str(hf_copy("qwen3", '{"logit_scale": 2.0}')),
+            "--devices",
+            "8",
+            "--batch",
+            "8",
+            "--seq",
+            "64",
         )(tmp),
         r"logit_scale",
     ),

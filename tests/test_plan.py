@@ -255,6 +255,35 @@ def test_pruning_by_the_estimate_keeps_the_best_plan(tmp_path):
     assert pruned["best_flags"].startswith("--model mini --batch 32 --seq 128 --layout ")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "source, devices, batch, seq, skips",
+    [
+        ({"model": "tiny"}, 8, 16, 64, False),  # its compiled steps beat the estimate: every layout compiled
+        ({"init_from": "llama-3.1-70b"}, 512, 1024, 4096, True),  # its estimate is the least a layout costs
+    ],
+)
+def test_skipping_layouts_estimated_slower_than_a_compiled_plan_keeps_the_best(
+    tmp_path, source, devices, batch, seq, skips
+):
+    """The skip trusts the estimate as the least a layout costs only while every compiled layout
+    was slower than its estimate: with or without it, the top's best plan is the same."""
+    options = PlanOptions(sequence=(1,), stage=(1,))
+    kept = plan(devices=devices, batch=batch, seq=seq, options=options, cache_dir=tmp_path / "a", **source)
+    every = plan(
+        devices=devices,
+        batch=batch,
+        seq=seq,
+        options=dataclasses.replace(options, prune=False),
+        cache_dir=tmp_path / "b",
+        **source,
+    )
+    assert kept["best_flags"] == every["best_flags"]
+    assert every["compiled"] == 6 and (kept["compiled"] < 6) == skips
+    skipped = [p for p in kept["plans"] if "slower than a compiled plan" in p["note"]]
+    assert len(skipped) == every["compiled"] - kept["compiled"]
+
+
 def _plan_workers(marker: str) -> list[int]:
     """PIDs of planner workers started with ``SHARDKIT_CACHE=marker``."""
     import pathlib

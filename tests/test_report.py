@@ -270,3 +270,25 @@ def test_the_bound_counts_a_pipelines_sends_between_stages():
     assert bound <= measured <= bound * (m + p - 1) / m * 1.2
     plain = sk.dryrun("tiny", layout="data=4,tensor=2", batch=16, seq=64)
     assert plain["lower_bound"]["bytes_stage"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "layout, kwargs",
+    [
+        ("fsdp=8", {}),
+        ("data=2,fsdp=2,tensor=2", {"precision": "bf16-master"}),
+        ("data=4,tensor=2", {"zero": 2, "microbatches": 2}),
+        ("data=2,fsdp=2,stage=2", {"microbatches": 2}),
+    ],
+)
+def test_a_dry_run_compiles_the_same_buffers_and_collectives_without_code_optimization(layout, kwargs):
+    """A dry run compiles without LLVM's optimization of the generated code (faster); what the
+    report reads (buffers, collectives, FLOPs) comes before code generation and must not move."""
+    cfg = GPTConfig.preset("mini") if "stage" in layout else CFG
+    trainer = sk.Trainer(cfg.model(), optax.adamw(1e-3), layout, **kwargs)
+    dry = trainer.report(BATCH, dry_run=True)
+    assert not trainer._compiled  # a program compiled for a dry run is never the one a step runs
+    full = trainer.report(BATCH)
+    assert dry.memory == full.memory
+    assert dry.collectives == full.collectives
+    assert dry.flops_per_device == full.flops_per_device

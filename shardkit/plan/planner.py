@@ -28,6 +28,8 @@ def plan_of(job: Candidate, budget: float, hw: Hardware, compute_dtype: str, unf
     common: dict[str, Any] = dict(
         schedule=job.schedule, estimated_step_seconds=est.step_seconds, estimated_memory=est.memory_bytes
     )
+    if job.skipped:
+        return _estimated_row(job, "not compiled: its estimate is slower than a compiled plan that fits")
     if unfinished or not job.results:
         remat, mb, zero = job.settings[0]
         note = "not compiled: interrupted" if unfinished else f"compile failed: {job.error}"
@@ -73,25 +75,28 @@ def rank(plans: list[Plan]) -> list[Plan]:
 
 
 def _facts_of(
-    model: ModelSource | None, options: PlanOptions, init_from: str | None
+    model: ModelSource | None, options: PlanOptions, init_from: str | None, vocab: int | None
 ) -> tuple[ModelFacts, str, PlanOptions]:
     """The model's facts, the name its dry runs go by, and the options it allows."""
+    overrides = {} if vocab is None else {"vocab": vocab}
     if init_from is not None:
         if model is not None:
             raise ModelError(f"plan: both a model ({short_repr(model)}) and init_from={init_from!r}; give one.")
-        return ModelFacts.of_config(init_from), init_from, options
+        return ModelFacts.of_config(init_from, **overrides), init_from, options
     if model is None:
         raise ModelError("plan: give the model (a GPT preset, a factory or its name), or init_from=DIR.")
     factory = model if callable(model) else None
     if factory is None and not is_factory_ref(model):  # type: ignore[arg-type]
-        return ModelFacts.of_preset(model), model, options  # type: ignore[arg-type, return-value]
+        return ModelFacts.of_preset(model, **overrides), model, options  # type: ignore[arg-type, return-value]
+    if vocab is not None:
+        raise ModelError(f"plan: vocab={vocab} changes a GPT preset's or a config's size; a factory sets its own.")
     factory = factory or load_factory(model)  # type: ignore[arg-type]
     label = model if isinstance(model, str) else importable_name(factory)
     # A factory builds its own model: remat and depth are its business (see _factory_trainer).
     return ModelFacts.of_model(label, build_model(factory, label)), label, dataclasses.replace(options, remat=("none",))
 
 
-def _estimated_row(c: Candidate) -> Plan:
+def _estimated_row(c: Candidate, note: str = "not compiled: slower by the estimate") -> Plan:
     """The table row of a layout priced but not compiled (slower by the estimate than those that were)."""
     remat, mb, zero = c.settings[0]
     est = c.estimate
@@ -102,7 +107,7 @@ def _estimated_row(c: Candidate) -> Plan:
         True,
         est.memory_bytes,
         est.bytes_by_axes,
-        note="not compiled: slower by the estimate",
+        note=note,
         schedule=c.schedule,
         compiled=False,
         estimated_step_seconds=est.step_seconds,
@@ -172,6 +177,7 @@ def plan(
     options: PlanOptions | None = None,
     *,
     init_from: str | None = None,
+    vocab: int | None = None,
     cache_dir: str | pathlib.Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
@@ -185,6 +191,7 @@ def plan(
       model: a GPT preset name, a model factory or its ``"package.module:function"`` name.
       init_from: instead of ``model``, a Hugging Face checkpoint directory (its ``config.json``
         alone is read) or a shipped config's name (:mod:`shardkit.models.published`).
+      vocab: the vocabulary size, when a tokenizer's replaces the preset's or config's.
       devices: the device count to plan for.
       hardware: a profile name (``h100``, ...) or a :class:`~shardkit.hardware.Hardware`.
       batch, seq: global batch rows and sequence length.
@@ -212,8 +219,8 @@ def plan(
         if value < 1:
             raise InputError(f"plan: give {name}, a positive number (got {value}).")
     say = progress or (lambda _: None)
-    facts, model_name, options = _facts_of(model, options or PlanOptions(), init_from)
-    question = Question(facts, model_name, devices, get_hardware(hardware), batch, seq, options, init_from)
+    facts, model_name, options = _facts_of(model, options or PlanOptions(), init_from, vocab)
+    question = Question(facts, model_name, devices, get_hardware(hardware), batch, seq, options, init_from, vocab)
     layouts = candidate_layouts(facts, devices, batch, question.hw, options, seq)
     pruned, candidates = price(question, layouts)
     if not pruned and not candidates:
@@ -233,10 +240,37 @@ def plan(
     finished = [c for c in chosen if not c.configs]
     budget, hw, dtype = question.budget, question.hw, question.compute_dtype
 
+    # The fastest compiled plan that fits so far. The estimate counts the least work a layout does,
+    # so a layout estimated no faster than that need not be compiled: trusted only while every
+    # layout compiled in this search came out slower than its estimate (a small model's estimate
+    # can be above its compiled step, and then every layout of the top is compiled).
+    def fastest_fitting(jobs: list[Candidate]) -> float:
+        seconds = (r.predicted_step_seconds for r in (plan_of(j, budget, hw, dtype) for j in jobs) if r.fits)
+        return min((t for t in seconds if t is not None), default=math.inf)
+
+    def least_ratio(jobs: list[Candidate]) -> float:
+        rows = (plan_of(j, budget, hw, dtype) for j in jobs)
+        pairs = ((r.predicted_step_seconds, r.estimated_step_seconds) for r in rows)
+        ratios = (predicted / estimated for predicted, estimated in pairs if predicted and estimated)
+        return min(ratios, default=1.0)
+
+    fastest, ratio = [fastest_fitting(finished)], [least_ratio(finished)]
+
+    def slower(job: Candidate) -> bool:
+        if not options.prune or ratio[0] < 1.0 or job.estimate.step_seconds < fastest[0]:
+            return False
+        say(
+            f"skipped {job.spec}: estimated {job.estimate.step_seconds:.3f} s/step, no faster than "
+            f"{fastest[0]:.3f} s compiled"
+        )
+        return True
+
     def done(job: Candidate) -> None:
         for cfg, result in zip(job.configs, job.results[job.cached :], strict=False):
             cache.put(cfg, result, facts.fingerprint)
         finished.append(job)
+        fastest[0] = min(fastest[0], fastest_fitting([job]))
+        ratio[0] = min(ratio[0], least_ratio([job]))
         row = plan_of(job, budget, hw, dtype)
         step = f"{row.predicted_step_seconds:.3f} s/step" if row.predicted_step_seconds is not None else row.note
         say(
@@ -250,7 +284,7 @@ def plan(
         return _result(question, rows_now, len(layouts), len(finished), time.perf_counter() - start, interrupted)
 
     try:
-        compile_candidates(chosen, facts, devices, budget, options.workers, done)
+        compile_candidates(chosen, facts, devices, budget, options.workers, done, slower)
     except KeyboardInterrupt:
         raise PlanInterrupted(answer(interrupted=True)) from None
     return answer()

@@ -59,15 +59,15 @@ class ModelFacts:
     sizes: ModelSizes | None = None
 
     @classmethod
-    def of_preset(cls, name: str) -> ModelFacts:
-        return cls.of_gpt(GPTConfig.preset(name), name)
+    def of_preset(cls, name: str, **overrides: Any) -> ModelFacts:
+        return cls.of_gpt(GPTConfig.preset(name, **overrides), name)
 
     @classmethod
-    def of_config(cls, source: str) -> ModelFacts:
+    def of_config(cls, source: str, **overrides: Any) -> ModelFacts:
         """The facts of a Hugging Face ``config.json`` (a checkpoint directory or a shipped
         config's name); the config's text is the fingerprint its cached dry runs are kept by."""
         config = hf_config_of(source)
-        facts = cls.of_gpt(gpt_config(config), source)
+        facts = cls.of_gpt(gpt_config(config, **overrides), source)
         fingerprint = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
         return dataclasses.replace(facts, fingerprint=fingerprint)
 
@@ -214,6 +214,7 @@ class Question:
     seq: int
     options: PlanOptions
     init_from: str | None = None  # the model is this config's, not model_name's preset
+    vocab: int | None = None  # the model's vocabulary, when not its preset's or config's (a tokenizer's)
 
     @functools.cached_property
     def optimizer_bytes(self) -> float:
@@ -256,8 +257,10 @@ class Question:
 
     def dry_run(self, spec: str, setting: Setting, schedule: str | None) -> DryRunConfig:
         """The dry run that compiles one setting of one layout."""
+        source: dict[str, Any] = {"init_from": self.init_from} if self.init_from else {"model": self.model_name}
         return DryRunConfig(
-            **({"init_from": self.init_from} if self.init_from else {"model": self.model_name}),
+            **source,
+            vocab=self.vocab,
             layout=spec,
             batch=self.batch,
             seq=self.seq,
@@ -282,6 +285,24 @@ class Candidate:
     results: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     cached: int = 0  # how many of ``results`` came from the cache
     error: str = ""
+    skipped: bool = False  # not compiled: its estimate was slower than a compiled plan that fits
+
+
+def descending(settings: list[Setting], memory: list[float]) -> list[Setting]:
+    """The settings worth compiling one after another: each is compiled only when the one before
+    did not fit, so each must be estimated to need less memory than every one before it.
+
+    Example:
+      >>> s = [Setting("full", 1, 2), Setting("full", 2, 0), Setting("full", 2, 2)]
+      >>> [x.microbatches for x in descending(s, [65e9, 161e9, 42e9])]
+      [1, 2]
+    """
+    walk, least = [], float("inf")
+    for setting, bytes_ in zip(settings, memory, strict=True):
+        if bytes_ < least:
+            walk.append(setting)
+            least = bytes_
+    return walk
 
 
 def price(question: Question, layouts: list[dict[str, int]]) -> tuple[list[Plan], list[Candidate]]:
@@ -301,7 +322,8 @@ def price(question: Question, layouts: list[dict[str, int]]) -> tuple[list[Plan]
         least = min(estimates, key=lambda e: e.memory_bytes)
         first = next((i for i, e in enumerate(estimates) if e.memory_bytes <= budget * MEMORY_SLACK), None)
         if first is not None:
-            candidates.append(Candidate(shape, spec, schedule, settings[first:], estimates[first]))
+            walk = descending(settings[first:], [e.memory_bytes for e in estimates[first:]])
+            candidates.append(Candidate(shape, spec, schedule, walk, estimates[first]))
             continue
         note = (
             f"model state alone exceeds the memory budget by {size_text(least.state_bytes - budget)} (not compiled)"

@@ -95,8 +95,11 @@ def compile_candidates(
     budget: float,
     workers: int | None,
     done: Callable[[Candidate], None],
+    skip: Callable[[Candidate], bool] = lambda _: False,
 ) -> None:
-    """Compile each job's configurations (until one fits), here or in worker processes."""
+    """Compile each job's configurations (until one fits), here or in worker processes, in the
+    order given; a job that ``skip`` refuses when its turn comes is not compiled (its
+    ``skipped`` is set) and ``done`` is not called for it."""
     pending = [j for j in jobs if j.configs]
     if not pending:
         return
@@ -108,7 +111,7 @@ def compile_candidates(
                 f"by name, and model {pending[0].configs[0].model} has none. Fix: pass the name of its factory, "
                 "'package.module:function', defined at the top level of an importable module."
             )
-        _one_by_one(pending, dryrun, budget, done)
+        _one_by_one(pending, dryrun, budget, done, skip)
         return
     here = can_run_here(devices)
     if workers is None:
@@ -122,18 +125,29 @@ def compile_candidates(
             jax.config.update("jax_num_cpu_devices", devices)
         model = facts.model
         factory = (lambda: model) if model is not None else None
-        _one_by_one(pending, lambda cfg: _in_process(cfg, factory), budget, done)
+        _one_by_one(pending, lambda cfg: _in_process(cfg, factory), budget, done, skip)
         return
     pool = Workers(min(workers, len(pending)), devices)
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=len(pool.procs))
+    queue, lock = iter(pending), threading.Lock()
+
+    def serve_queue() -> None:
+        """One worker's turn: the next job not skipped, until none is left (``done`` under the
+        lock, so that each answer is known before the next job is taken or skipped)."""
+        while True:
+            with lock:
+                job = next((j for j in queue if not _skipped(j, skip)), None)
+            if job is None:
+                return
+            reply = pool.run(job.configs, budget)
+            with lock:
+                job.results.extend(reply["results"])
+                job.error = reply.get("error", "")
+                done(job)
+
     try:
-        futures = {executor.submit(pool.run, job.configs, budget): job for job in pending}
-        for future in concurrent.futures.as_completed(futures):
-            job = futures[future]
-            reply = future.result()
-            job.results.extend(reply["results"])
-            job.error = reply.get("error", "")
-            done(job)
+        for future in [executor.submit(serve_queue) for _ in pool.procs]:
+            future.result()
     finally:
         pool.kill()  # also on Ctrl-C: no worker outlives the plan
         executor.shutdown(wait=True, cancel_futures=True)
@@ -150,14 +164,22 @@ def _until_fits(
             return
 
 
+def _skipped(job: Candidate, skip: Callable[[Candidate], bool]) -> bool:
+    job.skipped = skip(job)
+    return job.skipped
+
+
 def _one_by_one(
     jobs: list[Candidate],
     compile_one: Callable[[DryRunConfig], dict[str, Any]],
     budget: float,
     done: Callable[[Candidate], None],
+    skip: Callable[[Candidate], bool],
 ) -> None:
     """Each job compiled in this process's turn (one compile, or one extrapolated dry run, at a time)."""
     for job in jobs:
+        if _skipped(job, skip):
+            continue
         try:
             _until_fits(job.configs, compile_one, budget, job.results)
         except ShardkitError as e:  # one layout that fails to compile is one row of the plan, not the end of it

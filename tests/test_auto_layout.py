@@ -1,0 +1,101 @@
+"""``shardkit train --layout auto``: the planner places the run on the devices present, and again
+on each resume, with the global batch and the math of the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import TEST_XLA_FLAGS
+
+from shardkit.auto_layout import options_of
+from shardkit.config import TrainConfig
+
+# A device whose memory the tiny model's step fills on 4 devices but not on 8 (its compiled step
+# at batch 16 x seq 64, fp32: 5.5 MB under data=8; 9.0 MB under data=4, 5.8 MB with 2 microbatches):
+# the budget is 90% of 7 MB.
+SMALL_DEVICE = {
+    "flops": {"bfloat16": 989e12, "float32": 67e12},
+    "memory_bytes": 7.0e6,
+    "memory_bandwidth": 3.35e12,
+    "intra_node_bandwidth": 450e9,
+    "inter_node_bandwidth": 50e9,
+    "devices_per_node": 8,
+}
+
+
+def test_settings_given_on_the_command_line_are_kept_and_the_rest_searched():
+    options = options_of(TrainConfig(layout="auto", microbatches=4, precision="fp32"))
+    assert options.microbatches == (4,) and options.precision == "fp32"
+    assert options.remat == ("none", "full") and options.zero == (0, 2)  # the planner's own search
+
+
+def _losses(path):
+    last = {}
+    for line in path.read_text().splitlines():  # a step run again after a resume: keep the rerun
+        record = json.loads(line)
+        last[record["step"]] = record["loss"]
+    return last
+
+
+@pytest.mark.slow
+def test_a_run_checkpointed_on_8_devices_resumes_on_4_replanned_with_the_same_losses(tmp_path):
+    hardware = tmp_path / "small.json"
+    hardware.write_text(json.dumps(SMALL_DEVICE))
+    base = [sys.executable, "-m", "shardkit.cli", "train", "--model", "tiny", "--layout", "auto"]
+    base += ["--hardware", str(hardware), "--batch", "16", "--seq", "64", "--steps", "12", "--precision", "fp32"]
+    base += ["--sample-tokens", "0", "--checkpoint-every", "100"]
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, "SHARDKIT_CACHE": str(tmp_path / "cache")}
+    ckpt, log = tmp_path / "run", tmp_path / "a.jsonl"
+    first = subprocess.Popen(
+        [*base, "--devices", "8", "--checkpoint-dir", str(ckpt), "--json-log", str(log)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 5):
+        time.sleep(0.05)
+    first.send_signal(signal.SIGTERM)  # a node is lost: the run saves where it is and stops
+    out_first, _ = first.communicate(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM
+    placed_on_8 = re.search(r"layout auto: 8 devices .*?: (\S+), microbatches (\d+)", out_first)
+    assert placed_on_8, out_first
+
+    second = subprocess.run(
+        [*base, "--devices", "4", "--checkpoint-dir", str(ckpt), "--json-log", str(log)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert second.returncode == 0, second.stderr
+    placed_on_4 = re.search(r"layout auto: 4 devices .*?: (\S+), microbatches (\d+)", second.stdout)
+    assert placed_on_4, second.stdout
+    layout_4, microbatches_4 = placed_on_4.group(1), int(placed_on_4.group(2))
+    resumed = re.search(r"resumed from .* at step (\d+) \(saved under layout (\S+)\)", second.stdout)
+    assert resumed and int(resumed.group(1)) >= 5 and resumed.group(2) == placed_on_8.group(1)
+    # The re-plan fits the smaller machine: 4 devices hold what 8 did, so the plan splits the
+    # batch into microbatches or the state over the devices, and says so.
+    assert layout_4 != placed_on_8.group(1)
+    assert microbatches_4 > 1 or "fsdp" in layout_4 or "tensor" in layout_4
+
+    straight = subprocess.run(
+        [*base, "--devices", "8", "--json-log", str(tmp_path / "b.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert straight.returncode == 0, straight.stderr
+    got, reference = _losses(log), _losses(tmp_path / "b.jsonl")
+    assert sorted(got) == sorted(reference) == list(range(1, 13))
+    for step in reference:
+        assert got[step] == pytest.approx(reference[step], rel=1e-5), step
