@@ -266,70 +266,77 @@ CHECKPOINT = [
 PLAN = [
     (
         "markdown",
-        "# Plan: which layout for this model on these GPUs?\n\nThe planner compiles each candidate layout "
-        "for N simulated devices (a dry run, cached on disk), predicts the step time from the compiled matmul "
-        "FLOPs and the bytes each mesh axis moves over the link it crosses (NVLink inside a node, InfiniBand "
-        "between nodes), drops plans over the memory budget and ranks the rest. To keep this notebook quick the "
-        "search is narrowed: full remat, 4 microbatches, tensor 8 (and 1 on 8 GPUs), no sequence or stage axis; "
-        "`shardkit plan` searches the whole space by default.",
+        "# Plan: how to shard Llama 3.1 70B and Mixtral 8x7B on the GPUs you have\n\n"
+        "The planner reads a model from a Hugging Face `config.json` alone (no weights): a checkpoint's "
+        "directory, or one of the configs of real sizes that ship with shardkit. It prices every layout "
+        "analytically, compiles the fastest few for N simulated devices (dry runs, cached on disk), predicts "
+        "each one's step time from the compiled matmul FLOPs and the bytes each mesh axis moves over the link "
+        "it crosses (NVLink inside a node, InfiniBand between nodes), and ranks what fits. A layout whose "
+        "estimate is already slower than a compiled plan that fits is not compiled, while the estimate has "
+        "proved a lower bound in the search.",
     ),
     (
         "code",
-        "import matplotlib.pyplot as plt\n\nimport shardkit as sk",
+        "import matplotlib.pyplot as plt\n\n"
+        "import shardkit as sk\n"
+        "from shardkit.models import hf, published\n\n"
+        'for name in ("llama-3.1-70b", "mixtral-8x7b"):\n'
+        "    cfg = hf.gpt_config(hf.read_config(published.config_dir(name)))\n"
+        '    print(f"{name}: {cfg.num_params() / 1e9:.2f}B parameters, {cfg.n_layers} layers, dim {cfg.dim}, "\n'
+        '          f"{cfg.n_heads} heads ({cfg.n_kv_heads} kv), vocab {cfg.vocab}, experts {cfg.n_experts}")',
     ),
     (
         "code",
+        "questions = {\n"
+        '    "llama-3.1-70b": dict(devices=512, batch=1024, seq=4096),\n'
+        '    "mixtral-8x7b": dict(devices=64, batch=256, seq=4096),\n'
+        "}\n"
         "results = {}\n"
-        'for model in ["llama2-7b", "llama2-70b"]:\n'
-        "    for gpus in [8, 64, 512]:\n"
-        "        tensor = (1, 8) if gpus == 8 else (8,)\n"
-        '        options = sk.PlanOptions(remat=("full",), microbatches=(4,), tensor=tensor, sequence=(1,), stage=(1,))\n'
-        '        results[model, gpus] = sk.plan(model, gpus, "h100", batch=2 * gpus, seq=2048, options=options)\n'
-        '        print(sk.format_plans(results[model, gpus], top=5), end="\\n\\n")',
+        "for name, question in questions.items():\n"
+        '    results[name] = sk.plan(init_from=name, hardware="h100", **question)\n'
+        '    print(sk.format_plans(results[name], top=6), end="\\n\\n")',
     ),
     (
         "markdown",
-        "## Predicted step time and memory per plan\nBars: predicted seconds per step (no overlap; the dot is "
-        "perfect overlap). Grey bars do not fit in 80 GB.",
+        "## Every candidate layout\nEach point is a layout at the first setting (remat, microbatches, ZeRO) "
+        "that fits it: compiled ones at their compiled memory and predicted step, the others at their "
+        "analytic estimate. The star is the plan to run; the red line is the memory budget (90% of 80 GB).",
     ),
     (
         "code",
-        "from matplotlib.lines import Line2D\n"
-        "from matplotlib.patches import Patch\n\n"
-        "fig, axes = plt.subplots(2, 3, figsize=(15, 8))\n"
-        "for ax, ((model, gpus), result) in zip(axes.flat, results.items()):\n"
-        '    plans = [p for p in result["plans"] if p["predicted_step_seconds"] is not None][:6]\n'
-        "    ax.set_title(f\"{model} on {gpus} H100\\nbest: {result['best'] or 'none'}\", fontsize=10)\n"
-        "    if not plans:\n"
-        '        ax.text(0.5, 0.5, "nothing fits in 80 GB per GPU:\\nmore GPUs needed", ha="center", va="center",\n'
-        '                transform=ax.transAxes, fontsize=11, color="tab:red")\n'
-        "        ax.set_xticks([]); ax.set_yticks([])\n"
-        "        continue\n"
-        '    names = [p["layout"].replace(",", "\\n") for p in plans]\n'
-        '    colors = ["tab:blue" if p["fits"] else "lightgray" for p in plans]\n'
-        '    ax.bar(names, [p["predicted_step_seconds"] for p in plans], color=colors)\n'
-        '    ax.plot(names, [p["predicted_step_seconds_overlap"] for p in plans], "k.")\n'
-        "    twin = ax.twinx()\n"
-        '    twin.plot(names, [p["memory_per_device"] / 1e9 for p in plans], "r^")\n'
-        '    twin.axhline(80, color="r", lw=0.5)\n'
-        "    twin.set_ylim(0, 100)\n"
-        '    twin.set_ylabel("GB per device", color="r")\n'
-        '    ax.set_ylabel("predicted s/step")\n'
-        '    ax.tick_params(axis="x", labelsize=7, rotation=0)\n'
-        "legend = [Patch(color='tab:blue', label='predicted s/step, fits'), Patch(color='lightgray', label='does not fit'),\n"
-        "          Line2D([], [], color='k', marker='.', ls='', label='s/step with perfect overlap'),\n"
-        "          Line2D([], [], color='r', marker='^', ls='', label='GB per device'),\n"
-        "          Line2D([], [], color='r', lw=0.5, label='80 GB')]\n"
-        'fig.legend(handles=legend, loc="lower center", ncol=5, frameon=False)\n'
-        "plt.tight_layout(rect=(0, 0.05, 1, 1))\nplt.show()",
+        "fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))\n"
+        "for ax, (name, result) in zip(axes, results.items()):\n"
+        '    rows = result["plans"]\n'
+        "    kinds = {\n"
+        '        "compiled, fits": ([p for p in rows if p["compiled"] and p["fits"]], "tab:blue", "o"),\n'
+        '        "compiled, does not fit": ([p for p in rows if p["compiled"] and not p["fits"]], "tab:red", "x"),\n'
+        '        "estimated only": ([p for p in rows if not p["compiled"]], "0.7", "."),\n'
+        "    }\n"
+        "    for label, (plans, color, marker) in kinds.items():\n"
+        '        x = [p["memory_per_device"] / 1e9 for p in plans]\n'
+        '        y = [p["predicted_step_seconds"] or p["estimated_step_seconds"] for p in plans]\n'
+        '        ax.scatter(x, y, c=color, marker=marker, label=f"{label} ({len(plans)})")\n'
+        "    best = rows[0]\n"
+        '    ax.scatter([best["memory_per_device"] / 1e9], [best["predicted_step_seconds"]], s=250, marker="*",\n'
+        '               c="gold", edgecolors="k", zorder=3, label=f"best: {best[\'layout\']}")\n'
+        '    ax.axvline(result["memory_budget"] / 1e9, color="r", lw=0.8)\n'
+        '    ax.set_xscale("log"); ax.set_yscale("log")\n'
+        '    ax.set_xlabel("GB per device"); ax.set_ylabel("seconds per step (predicted or estimated)")\n'
+        "    q = questions[name]\n"
+        "    ax.set_title(f\"{name} on {q['devices']} H100, batch {q['batch']} x seq {q['seq']}: \"\n"
+        "                 f\"{result['searched']} layouts, {result['compiled']} compiled\", fontsize=10)\n"
+        '    ax.legend(fontsize=8, loc="upper right")\n'
+        "plt.tight_layout()\nplt.show()",
     ),
     (
         "code",
-        "# Any plan the planner picks is a layout string `shardkit train` accepts.\n"
-        'best = results["llama2-7b", 64]["best"]\n'
-        "print(best, sk.Layout.parse(best).resolve(64))\n"
-        'assert results["llama2-70b", 8]["best"] is None  # 70B does not fit on one node of 80 GB GPUs\n'
-        'assert results["llama2-70b", 512]["best"] is not None',
+        "# The best plan is a complete command for the real checkpoint (point --init-from at its directory).\n"
+        "for name, result in results.items():\n"
+        "    print(f\"shardkit train {result['best_flags']}\")\n"
+        '    assert result["best"] is not None and sk.Layout.parse(result["best"]).num_devices == questions[name]["devices"]\n'
+        '    assert result["plans"][0]["fits"] and result["plans"][0]["memory_per_device"] <= result["memory_budget"]\n'
+        "# A mixture of experts is planned over the expert axis too.\n"
+        'assert any("expert" in p["layout"] for p in results["mixtral-8x7b"]["plans"])',
     ),
 ]
 

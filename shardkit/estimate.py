@@ -213,18 +213,22 @@ def _moved_bytes(
     held: float,
     c: int,
     comm_itemsize: int | None,
-    remat: str,
     mb: int,
+    stored_itemsize: int,
 ) -> dict[str, float]:
     """Bytes each mesh axis moves per device in one step (axes that move nothing left out)."""
     d, f, t = shape.get("data", 1), shape.get("fsdp", 1), shape.get("tensor", 1)
     sq, p, e = shape.get("sequence", 1), shape.get("stage", 1), shape.get("expert", 1)
-    param_bytes = held * f * (comm_itemsize or c)  # this device's tensor/stage/expert share, gathered over fsdp
+    param_bytes = held * f * (comm_itemsize or c)  # the gradients of this device's tensor/stage/expert share
     tokens_mb = _tokens_per_microbatch(shape, batch, seq, mb)
     tokens, layers_here = tokens_mb * mb, sizes.layers / p
-    gathers = 3 + (remat != "none")  # forward, backward (and the recomputed forward), reduce-scatter
+    # FSDP moves the stored parameters (bf16 under bf16-master, not the fp32 master copy) three
+    # times a microbatch: gathered forward, gathered backward (which a rematerialised forward
+    # shares), gradients reduce-scattered; so the compiled GPT's scanned stack does (llama2-70b,
+    # fsdp=256,tensor=2: 3 x 68.2 GB, each op once per layer).
+    gathered = held * f * stored_itemsize
     moved = {
-        "fsdp": gathers * _ring("all-gather", param_bytes, f) * mb,
+        "fsdp": 3 * _ring("all-gather", gathered, f) * mb,
         "data": _ring("all-reduce", param_bytes / f, d) * mb,
         "tensor": 4 * layers_here * _ring("all-reduce", tokens * sizes.dim * c, t),
         # Ring attention: K and V go round the ring forward; K, V and their gradients backward.
@@ -300,7 +304,8 @@ def analytic(
     activations = _activation_bytes(sizes, shape, batch, seq, compute_itemsize, remat, microbatches, schedule)
     flops = _flops_per_device(sizes, shape, batch, seq, remat, microbatches)
     compute = flops / hw.peak_flops("bfloat16" if compute_itemsize == 2 else "float32")
-    moved = _moved_bytes(sizes, shape, batch, seq, held, compute_itemsize, comm_itemsize, remat, microbatches)
+    stored_itemsize = jnp.dtype(policy.params).itemsize
+    moved = _moved_bytes(sizes, shape, batch, seq, held, compute_itemsize, comm_itemsize, microbatches, stored_itemsize)
     if zero == 1 and d > 1:  # the gradients' all-reduce, then the updated parameters' all-gather
         moved["data"] = moved.get("data", 0.0) * 1.5
     return Estimate(

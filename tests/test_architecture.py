@@ -55,7 +55,7 @@ LAYERS = {
     },
     2: {"report", "report_data", "extrapolate"},
     3: {"steps", "accumulation", "train", "checkpoint", "checkpoint_checks", "pretrained"},
-    4: {"dryrun", "plan", "run", "run_inputs", "saved_run", "run_log", "cli", "__init__"},
+    4: {"dryrun", "plan", "auto_layout", "run", "run_inputs", "saved_run", "run_log", "cli", "__init__"},
 }
 LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}
 

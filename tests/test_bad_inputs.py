@@ -283,6 +283,11 @@ CLI_CASES = [
         r"logit_scale=2.0.*does not know",
     ),
     Case(
+        "cli-train-layout-auto-nothing-fits",
+        cli_error("train", "--model", "llama2-70b", "--layout", "auto", "--steps", "1", "--batch", "8", "--seq", "64"),
+        r"--layout auto: no layout of the model fits 8 h100 devices",
+    ),
+    Case(
         "cli-init-from-yarn",
         lambda tmp: cli_error(
             *TRAIN[:1],
