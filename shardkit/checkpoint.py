@@ -61,6 +61,11 @@ _FORMAT = 2
 _ROOM_FACTOR = 1.2  # a save needs the state's bytes, plus metadata and some slack
 
 
+class CheckpointWarning(UserWarning):
+    """A checkpoint restored past newer ones that failed to verify (also in ``Checkpointer.warnings``,
+    which ``shardkit train`` prints once, as ``warning: ...``)."""
+
+
 class Checkpointer:
     """Save train states every ``every`` steps into ``directory``, keeping the newest ``keep``.
 
@@ -332,7 +337,7 @@ class Checkpointer:
                     f"Restored checkpoint step {candidate} from {self.directory}, the newest that verifies; "
                     f"skipped {'; '.join(skipped)}."
                 ]
-                warnings.warn(self.warnings[0], stacklevel=2)
+                warnings.warn(self.warnings[0], CheckpointWarning, stacklevel=2)
             return restored
         raise CheckpointError(
             f"No checkpoint in {self.directory} verifies: {'; '.join(skipped)}. The run cannot resume from "

@@ -126,7 +126,10 @@ class DefaultsHelp(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+        # A switch's default is that it is off: a store_false switch (--unrolled) defaults to its
+        # field's True, which is not what the flag does unless given.
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        if switch or "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
             return text
         return text + " (default: %(default)s)"
 

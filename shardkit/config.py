@@ -138,7 +138,9 @@ class TrainConfig:
     )
     eval_batches: int = setting(4, "batches of the held-out split per evaluation")
     profile_steps: str | None = setting(
-        None, "capture a jax.profiler trace of steps A:B (e.g. 10:13; for TensorBoard's profile plugin or Perfetto)"
+        None,
+        "capture a jax.profiler trace of steps A:B, a Python slice of the 0-based steps: 10:13 traces the progress "
+        "line's steps 11 to 13 (for TensorBoard's profile plugin or Perfetto)",
     )
     profile_dir: str = setting("profile", "where --profile-steps writes its trace (inside --run-dir when given)")
     tensorboard: str | None = setting(

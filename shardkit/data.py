@@ -91,6 +91,12 @@ class TextDataset:
 
     VOCAB = 256  # byte tokens
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise InputError(
+                f"TextDataset: seed={self.seed!r}; give an integer >= 0 (numpy's generators take no other)."
+            )
+
     @classmethod
     def from_bytes(cls, text: bytes, seed: int = 0) -> TextDataset:
         """Byte tokens of ``text`` (UTF-8 bytes; encode a ``str`` first)."""

@@ -37,6 +37,15 @@ def vocab_size(abstract_params: Any, axes: Any) -> int | None:
     return None
 
 
+def check_sequence_length(tokens_shape: tuple[int, ...], max_seq: int | None) -> None:
+    """``(batch, seq + 1)`` tokens fit a model of ``max_seq`` positions (None: any length)."""
+    if max_seq is not None and len(tokens_shape) == 2 and tokens_shape[1] - 1 > max_seq:
+        raise InputError(
+            f"batch['tokens'] holds sequences of {tokens_shape[1] - 1} tokens (+1 target); the model takes at "
+            f"most max_seq={max_seq}. Fix: a shorter sequence, or a model with a larger max_seq."
+        )
+
+
 def check_host_batch(
     batch: Mapping[str, Any], *, vocab: int | None, needs_tokens: bool, max_seq: int | None = None
 ) -> None:
@@ -67,11 +76,7 @@ def check_host_batch(
                 f"batch['tokens'] must be (batch, seq + 1) token ids, got shape {np.shape(tokens)}. "
                 "Fix: stack sequences into a 2-D array with one extra token per row (the last target)."
             )
-        if max_seq is not None and np.shape(tokens)[1] - 1 > max_seq:
-            raise InputError(
-                f"batch['tokens'] holds sequences of {np.shape(tokens)[1] - 1} tokens (+1 target); the model takes at "
-                f"most max_seq={max_seq}. Fix: a shorter sequence, or a model with a larger max_seq."
-            )
+        check_sequence_length(np.shape(tokens), max_seq)
     for name, value in batch.items():
         dtype = getattr(value, "dtype", None)
         if dtype is None:

@@ -335,9 +335,11 @@ def sharding_warnings(trainer: CompiledStep, top: int = 3, min_fraction: float =
                 )
     mesh_shape = dict(trainer.mesh.shape)
     used = {name for r in rows for name in re.findall(r"[A-Za-z_]+", r["logical"])}
+    # Mesh axes that do split some parameter (by a rule, or by the fallback of a model that names none).
+    splitting = {name for r in rows for name in re.findall(r"[A-Za-z_]+", r["spec"])}
     for name, axes in trainer.rules.rules:
         live = [a for a in axes if mesh_shape.get(a, 1) > 1]
-        if live and name not in used and name not in ("batch", "seq"):
+        if live and name not in used and name not in ("batch", "seq") and not set(live) & splitting:
             warnings.append(
                 f"rule {name} -> {'+'.join(axes)} matches no parameter, so mesh axes "
                 f"{', '.join(f'{a}={mesh_shape[a]}' for a in live)} shard no weights of {trainer.model.name}."

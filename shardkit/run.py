@@ -12,6 +12,7 @@ import os
 import pathlib
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -20,7 +21,7 @@ import numpy as np
 import optax
 
 from shardkit import auto_layout, run_dir
-from shardkit.checkpoint import Checkpointer
+from shardkit.checkpoint import Checkpointer, CheckpointWarning
 from shardkit.config import OPTIMIZER_NAMES, TrainConfig
 from shardkit.data import TextDataset
 from shardkit.distributed import is_primary
@@ -182,13 +183,15 @@ def _start_or_resume(
     ckpt.prepare(trainer)  # writable, room for a checkpoint, locked: before any step is computed
     if ckpt.latest_step() is None:
         return ckpt, fresh_state(cfg, trainer), 0
-    state, record = ckpt.restore(
-        trainer,
-        run=run,
-        reset_optimizer=cfg.reset_optimizer,
-        allow_schedule_change=cfg.allow_schedule_change,
-        allow=cfg.allow_change,
-    )
+    with warnings.catch_warnings():  # said once, below, as "warning: ..."
+        warnings.simplefilter("ignore", CheckpointWarning)
+        state, record = ckpt.restore(
+            trainer,
+            run=run,
+            reset_optimizer=cfg.reset_optimizer,
+            allow_schedule_change=cfg.allow_schedule_change,
+            allow=cfg.allow_change,
+        )
     for warning in ckpt.warnings:
         print(f"warning: {warning}", file=out)
     first_step = record["data_position"]

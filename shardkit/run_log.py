@@ -98,7 +98,9 @@ class Profiler:
     def after(self, step: int) -> None:
         if self.active and step + 1 == self.steps.stop:
             self.close()
-            print(f"profile of steps {self.steps.start + 1}-{self.steps.stop} in {self.directory}", file=self.out)
+            first, last = self.steps.start + 1, self.steps.stop  # as the progress line numbers them
+            which = f"step {first}" if first == last else f"steps {first} to {last}"
+            print(f"profile of {which} (--profile-steps {self.steps.start}:{last}) in {self.directory}", file=self.out)
 
     def close(self) -> None:
         if self.active:

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit.accumulation import choose
 from shardkit.errors import InputError, LayoutError, ModelError, short_repr
-from shardkit.inputs import check_host_batch, vocab_size
+from shardkit.inputs import check_host_batch, check_sequence_length, vocab_size
 from shardkit.losses import LossFn, cross_entropy, like, mse_loss, next_token_loss
 from shardkit.mesh import Layout, as_layout
 from shardkit.model import Model
@@ -343,6 +343,8 @@ class Trainer:
         """
         key = _batch_key(batch)
         if key not in self._compiled:
+            if self.loss is next_token_loss and "tokens" in batch:  # arrays that skipped shard_batch's checks
+                check_sequence_length(tuple(batch["tokens"].shape), self.model.info.get("max_seq"))
             self._compiled[key] = self.lower(batch).compile(compiler_options=self.compiler_options)
         return self._compiled[key]
 

@@ -47,6 +47,12 @@ def trainer(layout="data=8", **kwargs):
     return sk.Trainer(TINY.model(), optax.adamw(1e-3), layout, **kwargs)
 
 
+@functools.cache
+def tiny_state():
+    """A state of ``trainer()``, built before a case watches compiles (never stepped: not donated)."""
+    return trainer().init(0)
+
+
 def batch(rows=8, cols=17, dtype=np.int32, value=1):
     return {"tokens": np.full((rows, cols), value, dtype)}
 
@@ -318,6 +324,13 @@ def initialized(layout="data=8", **kwargs):
 
 
 API_CASES = [
+    Case("api-dataset-negative-seed", api(lambda: sk.TextDataset.builtin(seed=-1)), r"seed=-1; give an integer >= 0"),
+    Case(
+        "api-step-host-batch-longer-than-max-seq",
+        api(lambda: trainer().step(tiny_state(), batch(cols=TINY.max_seq + 2))),
+        r"sequences of 129 tokens \(\+1 target\); the model takes at most max_seq=128",
+        setup=lambda: tiny_state(),
+    ),
     Case("api-not-a-model", api(lambda: sk.Trainer("gpt", optax.sgd(0.1))), r"model must be a shardkit Model"),
     Case("api-not-an-optimizer", api(lambda: sk.Trainer(TINY.model(), "adam")), r"optimizer must be an optax"),
     Case("api-layout-misspelt", api(lambda: trainer("dta=8")), r"dta.*Did you mean 'data'"),

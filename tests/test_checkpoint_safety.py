@@ -441,3 +441,25 @@ def test_the_abandoned_writes_of_a_failed_save_are_not_logged(caplog):
         asyncio_log.error("Task exception was never retrieved\n%s", ours.replace("Future", "Task"))
         asyncio_log.error("Future exception was never retrieved\n%s", other)
     assert [r.getMessage().splitlines()[1] for r in caplog.records] == [other]
+
+
+@pytest.mark.slow
+def test_the_command_says_once_which_damaged_checkpoint_it_skipped(tmp_path):
+    """A resume past a checkpoint that fails to verify is said once, as ``warning: ...``, not also
+    as a Python warning with its source line."""
+    from helpers import TEST_XLA_FLAGS
+
+    base = [sys.executable, "-m", "shardkit.cli", "train", "--model", "tiny", "--layout", "data=8", "--batch", "8"]
+    base += ["--seq", "16", "--sample-tokens", "0", "--checkpoint-every", "1", "--checkpoint-dir", str(tmp_path)]
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}
+    subprocess.run([*base, "--steps", "2"], check=True, capture_output=True, env=env, timeout=600)
+    data_files = sorted(p for p in (tmp_path / "2" / "state").rglob("*") if p.is_file() and p.stat().st_size > 1000)
+    blob = bytearray(data_files[-1].read_bytes())
+    blob[len(blob) // 2] ^= 0x10
+    data_files[-1].write_bytes(bytes(blob))
+    again = [*base, "--steps", "3", "--allow-schedule-change"]
+    resumed = subprocess.run(again, capture_output=True, text=True, env=env, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    said = resumed.stdout + resumed.stderr
+    assert said.count("newest that verifies") == 1
+    assert "warning: Restored checkpoint step 1" in resumed.stdout and "UserWarning" not in said

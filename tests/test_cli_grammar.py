@@ -131,6 +131,16 @@ def test_help_shows_defaults_and_an_example(command):
         assert "(default: " in proc.stdout
 
 
+def test_a_switch_that_turns_something_off_shows_no_true_default():
+    """``--unrolled`` unrolls the layers, which are scanned unless it is given: its help must not
+    say "(default: True)" (the field's value, not the flag's)."""
+    from shardkit.cli import build_parser
+
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["dryrun"].format_help().split())
+    unrolled = help_text[help_text.index("--unrolled") :][:120]
+    assert "default" not in unrolled.split("--", 2)[1]
+
+
 def test_dryrun_inspect_and_plan_all_answer_in_json():
     from helpers import run_cli
 

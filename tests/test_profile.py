@@ -13,7 +13,7 @@ from shardkit.config import TrainConfig
 def test_a_trace_of_the_chosen_steps_is_written_and_holds_the_train_step(tmp_path, capsys):
     argv = ["train", "--model", "tiny", "--steps", "4", "--batch", "8", "--seq", "32", "--sample-tokens", "0"]
     assert cli.main([*argv, "--profile-steps", "1:3", "--profile-dir", str(tmp_path / "prof")]) == 0
-    assert f"profile of steps 2-3 in {tmp_path / 'prof'}" in capsys.readouterr().out
+    assert f"profile of steps 2 to 3 (--profile-steps 1:3) in {tmp_path / 'prof'}" in capsys.readouterr().out
     (xplane,) = (tmp_path / "prof").rglob("*.xplane.pb")  # TensorBoard's profile plugin reads this
     assert b"jit_step" in xplane.read_bytes()
     (trace,) = (tmp_path / "prof").rglob("*.trace.json.gz")  # Perfetto reads this

@@ -150,3 +150,12 @@ def test_stacked_layers_keep_their_layer_dimension_whole_and_train_alike_under_e
     np.testing.assert_allclose(results["fsdp=8"][0], results["data=8"][0], rtol=2e-5)
     assert results["fsdp=8"][1] == pytest.approx(results["data=8"][1], rel=1e-5)
     assert abs(results["data=8"][0][0] - results["data=8"][1]) > 1e-4  # dropout in steps, not in evaluation
+
+
+def test_an_unannotated_model_split_by_the_fallback_gets_no_warning_that_fsdp_splits_nothing():
+    model = sk.from_nnx(plain_lm)
+    trainer = sk.Trainer(model, optax.adamw(LR), "fsdp=8")
+    split = [r for r in trainer.sharding_table() if "fsdp" in r["spec"]]
+    assert len(split) >= len(trainer.sharding_table()) // 2  # the fallback does split most of them
+    warned = sk.report.sharding_warnings(trainer)
+    assert not any("shard no weights" in w for w in warned), warned
