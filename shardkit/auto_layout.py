@@ -20,7 +20,7 @@ import numpy as np
 
 from shardkit.config import TrainConfig
 from shardkit.errors import LayoutError
-from shardkit.hardware import profile_of_device
+from shardkit.hardware import DEFAULT_HARDWARE, profile_of_device
 from shardkit.plan import PlanOptions, PlanResult, plan
 
 AUTO = "auto"
@@ -34,7 +34,7 @@ def hardware_of(cfg: TrainConfig) -> str:
     if cfg.hardware:
         return cfg.hardware
     profile = profile_of_device(jax.devices()[0].device_kind)
-    return profile.name if profile is not None else "h100"
+    return profile.name if profile is not None else DEFAULT_HARDWARE
 
 
 def options_of(cfg: TrainConfig) -> PlanOptions:

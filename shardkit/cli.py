@@ -147,11 +147,6 @@ EXAMPLES = {
 }
 
 
-HARDWARE_FLAG: dict[str, Any] = dict(
-    default="h100",
-    help="the device to plan for: h100, h200, a100, tpu-v5p, tpu-v5e, or a JSON profile (dryrun says whether the "
-    "step fits one; plan ranks layouts on it)",
-)
 # The flags that name a saved run's model and checkpoints (export, eval).
 SAVED_RUN = ("model", "init_from", "tokenizer", "checkpoint_dir")
 REQUIRED_CHECKPOINT = {"checkpoint_dir": {"required": True, "aliases": ("--checkpoint",)}}
@@ -183,7 +178,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
         overrides={"devices": {"required": True}, "batch": {"required": True}, "seq": {"required": True}},
     )
     add_flags(p, DryRunSettings, only=("init_from",))
-    p.add_argument("--hardware", **HARDWARE_FLAG)
+    add_flags(p, TrainConfig, only=("hardware",))
     add_flags(p, PlanOptions)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -275,7 +270,7 @@ def build_parser(file_defaults: Mapping[str, Any] | None = None) -> argparse.Arg
         if name != "train":
             p.add_argument("--json", action="store_true", help="print the result as JSON")
         if name == "dryrun":
-            p.add_argument("--hardware", **HARDWARE_FLAG)
+            add_flags(p, TrainConfig, only=("hardware",))
     _plan_parser(sub)
     _launch_parser(sub)
     _export_parser(sub)
@@ -372,10 +367,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _simulate_exactly(cfg.num_devices())
             if args.command == "dryrun":
                 from shardkit.dryrun import run_cli
-                from shardkit.hardware import get_hardware
+                from shardkit.hardware import DEFAULT_HARDWARE, get_hardware
 
-                get_hardware(args.hardware)  # an unknown name is refused before the compile
-                run_cli(cfg, args.json, args.hardware)
+                hardware = args.hardware or DEFAULT_HARDWARE
+                get_hardware(hardware)  # an unknown name is refused before the compile
+                run_cli(cfg, args.json, hardware)
             else:
                 _inspect(cfg, args.json)
     except ShardkitError as e:

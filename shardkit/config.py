@@ -48,6 +48,10 @@ RESUMABLE_SETTINGS = frozenset(
 )
 
 
+# The configs of real sizes in shardkit/models/published/ (dryrun, inspect and plan read them by name).
+SHIPPED_CONFIGS = "llama-3.1-8b, llama-3.1-70b, llama-3.1-405b, mixtral-8x7b, qwen3-32b, gemma-3-27b"
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Every knob of the main job (the CLI flags of ``shardkit train``)."""
@@ -60,7 +64,8 @@ class TrainConfig:
     init_from: str | None = setting(
         None,
         "start from a Hugging Face checkpoint directory (config.json + *.safetensors; Llama 2/3.x, Mistral, "
-        "Mixtral, Qwen2/2.5, Qwen3, Gemma 2/3): the model is the checkpoint's, not --model's",
+        "Mixtral, Qwen2/2.5, Qwen3, Gemma 2/3): the model is the checkpoint's, not --model's. dryrun, inspect and "
+        "plan read only its config.json, and also take a shipped config of a real size: " + SHIPPED_CONFIGS,
     )
     tokenizer: str | None = setting(
         None,
@@ -74,8 +79,9 @@ class TrainConfig:
     )
     hardware: str | None = setting(
         None,
-        "with --layout auto, the device to plan for: h100, h200, a100, tpu-v5p, tpu-v5e or a JSON profile "
-        "(default: the devices' own; h100 for simulated CPU devices)",
+        "the device to plan for: h100, h200, a100, tpu-v5p, tpu-v5e, or a JSON profile (dryrun says whether the "
+        "step fits one, plan ranks layouts on it: default h100; train --layout auto plans for it: default the "
+        "devices' own, h100 for simulated CPU devices)",
     )
     steps: int = setting(500, "optimizer steps")
     batch: int = setting(16, "global batch (sequences per step)")
@@ -256,14 +262,6 @@ def _profile_range(text: str, steps: int) -> range:
     return span
 
 
-# dryrun and plan read only a checkpoint's config.json, so they also take the shipped configs.
-INIT_FROM_CONFIG = (
-    "the model of a Hugging Face checkpoint directory (its config.json alone: no weights are read), or a shipped "
-    "config of a real size: llama-3.1-8b, llama-3.1-70b, llama-3.1-405b, mixtral-8x7b, qwen3-32b, gemma-3-27b; "
-    "the model is that, not --model's"
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class DryRunSettings:
     """The settings of a dry run (the flags of ``shardkit dryrun`` and ``inspect``): the training
@@ -271,7 +269,7 @@ class DryRunSettings:
     studies. :class:`shardkit.dryrun.DryRunConfig` adds what needs JAX."""
 
     model: str = same_as(TrainConfig, "model")
-    init_from: str | None = same_as(TrainConfig, "init_from", help=INIT_FROM_CONFIG)
+    init_from: str | None = same_as(TrainConfig, "init_from")
     layout: str = same_as(TrainConfig, "layout")
     batch: int = same_as(TrainConfig, "batch")
     seq: int | None = same_as(TrainConfig, "seq")

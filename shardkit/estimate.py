@@ -215,6 +215,7 @@ def _moved_bytes(
     comm_itemsize: int | None,
     mb: int,
     stored_itemsize: int,
+    zero: int,
 ) -> dict[str, float]:
     """Bytes each mesh axis moves per device in one step (axes that move nothing left out)."""
     d, f, t = shape.get("data", 1), shape.get("fsdp", 1), shape.get("tensor", 1)
@@ -229,7 +230,10 @@ def _moved_bytes(
     gathered = held * f * stored_itemsize
     moved = {
         "fsdp": 3 * _ring("all-gather", gathered, f) * mb,
-        "data": _ring("all-reduce", param_bytes / f, d) * mb,
+        # The stored parameters' gradients all-reduced; under ZeRO the compiled step reduces the
+        # fp32 update's share and moves more besides (not modelled: llama2-70b data=64,fsdp=8
+        # ZeRO-2 moves 3x this), so comm_itemsize there.
+        "data": _ring("all-reduce", (param_bytes if zero else gathered) / f, d) * mb,
         "tensor": 4 * layers_here * _ring("all-reduce", tokens * sizes.dim * c, t),
         # Ring attention: K and V go round the ring forward; K, V and their gradients backward.
         "sequence": 6 * layers_here * (sq - 1) * tokens * (sizes.kv_dim or sizes.dim) / t * c if sq > 1 else 0.0,
@@ -305,7 +309,9 @@ def analytic(
     flops = _flops_per_device(sizes, shape, batch, seq, remat, microbatches)
     compute = flops / hw.peak_flops("bfloat16" if compute_itemsize == 2 else "float32")
     stored_itemsize = jnp.dtype(policy.params).itemsize
-    moved = _moved_bytes(sizes, shape, batch, seq, held, compute_itemsize, comm_itemsize, microbatches, stored_itemsize)
+    moved = _moved_bytes(
+        sizes, shape, batch, seq, held, compute_itemsize, comm_itemsize, microbatches, stored_itemsize, zero
+    )
     if zero == 1 and d > 1:  # the gradients' all-reduce, then the updated parameters' all-gather
         moved["data"] = moved.get("data", 0.0) * 1.5
     return Estimate(

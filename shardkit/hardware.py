@@ -64,6 +64,8 @@ class Hardware:
 
 
 GB = 1e9
+# The device dryrun and plan assume when none is named, and --layout auto on simulated CPU devices.
+DEFAULT_HARDWARE = "h100"
 PROFILES: dict[str, Hardware] = {
     # NVIDIA: 8 GPUs per node on NVLink 4 (450 GB/s per GPU per direction), one 400 Gb/s NDR
     # InfiniBand port per GPU between nodes (50 GB/s).

@@ -135,7 +135,7 @@ def test_predictions_respond_to_bandwidth():
 def test_predictions_respond_to_batch(cache):
     times = {}
     for batch in (16, 32):
-        options = PlanOptions(tensor=(1,), microbatches=(1,), sequence=(1,), stage=(1,))
+        options = PlanOptions(tensor=(1,), microbatches=(1,), sequence=(1,), stage=(1,), prune=False)
         r = plan("tiny", 8, "h100", batch=batch, seq=64, options=options, cache_dir=cache)
         times[batch] = {p["layout"]: p for p in r["plans"]}
     for layout in ("data=8", "fsdp=8"):

@@ -10,7 +10,7 @@ import pytest
 import safetensors.numpy
 
 import shardkit as sk
-from shardkit.config import INIT_FROM_CONFIG
+from shardkit.config import SHIPPED_CONFIGS
 from shardkit.models import hf, published
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf_reference"
@@ -38,9 +38,7 @@ FAMILY = {
 
 
 def test_every_shipped_config_is_named_in_the_flag_help():
-    assert set(published.names()) == set(PUBLISHED_PARAMS)
-    for name in published.names():
-        assert name in INIT_FROM_CONFIG
+    assert set(published.names()) == set(PUBLISHED_PARAMS) == set(SHIPPED_CONFIGS.split(", "))
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
@@ -87,7 +85,7 @@ def test_plan_from_a_checkpoint_config_prints_train_flags_for_it():
         hardware="h100",
         batch=16,
         seq=64,
-        options=sk.PlanOptions(compile_top=2, sequence=(1,), stage=(1,), remat=("none",)),
+        options=sk.PlanOptions(compile_top=2, sequence=(1,), stage=(1,), remat=("none",), prune=False),
     )
     assert result.model == str(directory)
     assert result.best is not None and result.compiled == 2

@@ -9,6 +9,7 @@ from typing import Any
 
 from shardkit.errors import InputError
 from shardkit.flags import config_from
+from shardkit.hardware import DEFAULT_HARDWARE
 from shardkit.plan.options import PlanInterrupted, PlanOptions, size_text
 from shardkit.plan.planner import plan
 
@@ -85,7 +86,7 @@ def run_cli(args: Any) -> None:
         result = plan(
             None if args.init_from else args.model,
             args.devices,
-            args.hardware,
+            args.hardware or DEFAULT_HARDWARE,
             args.batch,
             args.seq,
             options,
