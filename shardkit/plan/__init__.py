@@ -8,9 +8,11 @@ For a model, a global batch and a sequence length on N devices, the planner
 2. prices every one of them *analytically* (:func:`shardkit.estimate.analytic`: FLOPs, the bytes
    each axis moves, state and activation memory), for each remat policy and microbatch count,
    and drops those whose estimated memory exceeds the budget at every setting;
-3. compiles only the fastest few by that estimate (``PlanOptions.compile_top``), in parallel
-   processes of N simulated devices where cores allow, walking from the cheapest setting the
-   estimate says fits until the compiled step does fit (cached on disk);
+3. compiles only the fastest few by that estimate (``PlanOptions.compile_top``), the fastest of
+   each kind of layout first (the mesh axes it splits, ZeRO or not), in parallel processes of N
+   simulated devices where cores allow, walking from the cheapest setting the estimate says fits
+   until the compiled step does fit (cached on disk), and skipping a layout estimated slower than
+   a compiled plan that fits while the estimate has proved a lower bound in the search;
 4. ranks the compiled plans by the step time predicted from their compiled FLOPs and bytes per
    axis at the device's peak and the links' bandwidths (NVLink/ICI inside a node, InfiniBand/DCN
    between nodes), with and without overlap. A pipeline's bubble needs no formula there: the
