@@ -113,7 +113,7 @@ def _say(result: PlanResult, out: TextIO) -> None:
         f"layout auto: {result.devices} devices of {result.hardware}, batch {result.batch} x seq {result.seq}: "
         f"{best.layout}, microbatches {best.microbatches}, remat {best.remat}"
         + (f", ZeRO-{best.zero}" if best.zero else "")
-        + f": the fastest of {result.compiled} compiled plans that fit ({step:.4g} s a step predicted, "
+        + f": the fastest that fits of {result.compiled} layouts compiled ({step:.4g} s a step predicted, "
         f"{best.memory_per_device / 1e9:.2f} GB of {result.memory_budget / 1e9:.1f} GB per device); "
         f"{result.searched} layouts searched",
         file=out,

@@ -241,7 +241,7 @@ def test_the_analytic_estimate_tracks_the_compiled_step():
 
 @pytest.mark.slow
 def test_pruning_by_the_estimate_keeps_the_best_plan(tmp_path):
-    options = PlanOptions(tensor=(1, 2), sequence=(1,), stage=(1,), remat=("none",), microbatches=(1,))
+    options = PlanOptions(tensor=(1, 2), sequence=(1,), stage=(1,), remat=("none",), microbatches=(1,), prune=False)
     everything = plan(
         "mini", 8, "h100", 32, 128, dataclasses.replace(options, compile_top=None), cache_dir=tmp_path / "a"
     )
@@ -259,8 +259,9 @@ def test_pruning_by_the_estimate_keeps_the_best_plan(tmp_path):
 @pytest.mark.parametrize(
     "source, devices, batch, seq, skips",
     [
-        ({"model": "tiny"}, 8, 16, 64, False),  # its compiled steps beat the estimate: every layout compiled
-        ({"init_from": "llama-3.1-70b"}, 512, 1024, 4096, True),  # its estimate is the least a layout costs
+        ({"model": "tiny"}, 8, 16, 64, True),  # every compiled step is slower than its estimate: skips
+        # fsdp=256,tensor=2 compiles at 0.97x its estimate: from then on every layout of the top is compiled
+        ({"init_from": "llama-3.1-70b"}, 512, 1024, 4096, False),
     ],
 )
 def test_skipping_layouts_estimated_slower_than_a_compiled_plan_keeps_the_best(
