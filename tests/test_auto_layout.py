@@ -99,3 +99,35 @@ def test_a_run_checkpointed_on_8_devices_resumes_on_4_replanned_with_the_same_lo
     assert sorted(got) == sorted(reference) == list(range(1, 13))
     for step in reference:
         assert got[step] == pytest.approx(reference[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_two_processes_plan_once_and_train_the_same_steps_as_one(tmp_path):
+    """Under jax.distributed process 0 plans (its compiles in worker processes) and every process
+    takes its answer; the run is the one a single process of the same 8 devices trains."""
+    train = ["shardkit", "train", "--model", "tiny", "--layout", "auto", "--steps", "3", "--batch", "16"]
+    train += ["--seq", "64", "--sample-tokens", "0", "--precision", "fp32"]
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, "SHARDKIT_CACHE": str(tmp_path / "cache")}
+    launch = [sys.executable, "-m", "shardkit.cli", "launch", "--nproc", "2", "--devices-per-proc", "4", "--"]
+    two = subprocess.run(
+        [*launch, *train, "--json-log", str(tmp_path / "two.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    said = two.stdout + two.stderr
+    assert said.count("layout auto: 8 devices") == 1 and "[rank 0] layout auto: 8 devices" in said
+    one = subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", *train[1:], "--devices", "8", "--json-log", str(tmp_path / "one.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    got, reference = _losses(tmp_path / "two.jsonl"), _losses(tmp_path / "one.jsonl")
+    assert sorted(got) == [1, 2, 3]
+    for step in reference:
+        assert got[step] == pytest.approx(reference[step], rel=1e-5), step
