@@ -73,6 +73,13 @@ class ModelSizes:
     expert_params: int = 0  # parameters inside the experts (split by the expert axis)
     experts: int = 0
     top_k: int = 0
+    # Expert slots a token's dispatch holds: top_k x the capacity factor (1.25 when 0), or every
+    # expert when routing drops no token (the dispatch then pads each expert to the whole group).
+    routed: float = 0.0
+
+    @property
+    def slots_per_token(self) -> float:
+        return self.routed or max(self.top_k, 1) * 1.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,8 +206,8 @@ def _activation_bytes(
 def _flops_per_device(sizes: ModelSizes, shape: dict[str, int], batch: int, seq: int, remat: str, mb: int) -> float:
     """Model FLOPs split over every device, with recomputation and the pipeline's idle slots."""
     matmul = float(sizes.matmul_params or sizes.params)
-    if sizes.experts and sizes.top_k:
-        matmul -= sizes.expert_params * (1 - sizes.top_k / sizes.experts)
+    if sizes.experts and sizes.top_k:  # each expert computes its slots, used or padded
+        matmul -= sizes.expert_params * (1 - min(1.0, sizes.slots_per_token / sizes.experts))
     flops = batch * seq * (6 * matmul + 12 * sizes.layers * sizes.dim * seq) / math.prod(shape.values())
     return flops * REMAT_COMPUTE.get(remat, 1.2) * (1 + (shape.get("stage", 1) - 1) / mb)
 
@@ -239,8 +246,8 @@ def _moved_bytes(
         "sequence": 6 * layers_here * (sq - 1) * tokens * (sizes.kv_dim or sizes.dim) / t * c if sq > 1 else 0.0,
         # Lock-step stages send a microbatch's activation (and its gradient back) every slot.
         "stage": 2 * (mb + p - 1) * tokens_mb * sizes.dim * c if p > 1 else 0.0,
-        # Dispatch and combine, forward and backward, of the routed tokens (capacity 1.25).
-        "expert": 4 * sizes.layers * _ring("all-to-all", tokens * sizes.dim * c * max(sizes.top_k, 1) * 1.25, e),
+        # Dispatch and combine, forward and backward, of every expert slot of the tokens.
+        "expert": 4 * sizes.layers * _ring("all-to-all", tokens * sizes.dim * c * sizes.slots_per_token, e),
     }
     return {axis: b for axis, b in moved.items() if b}
 

@@ -85,6 +85,7 @@ class ModelFacts:
             expert_params=expert_params,
             experts=cfg.n_experts,
             top_k=cfg.top_k if cfg.n_experts else 0,
+            routed=(cfg.n_experts if cfg.moe_dropless else cfg.top_k * cfg.capacity_factor) if cfg.n_experts else 0.0,
         )
         return cls(name, cfg.num_params(), cfg.n_layers, cfg.n_experts, cfg.scan_layers, gpt=cfg, sizes=sizes)
 
