@@ -334,7 +334,8 @@ class PlanOptions:
     prune: bool = setting(
         True,
         "compile no layout whose estimate is already slower than a compiled plan that fits, while every compiled "
-        "layout has been slower than its estimate (the least work it does); off: compile every one of --compile-top",
+        "layout has been slower than its estimate (trusted as a lower bound only while the compiles agree); off: "
+        "compile every one of --compile-top",
         flag="--no-prune",
         negate=True,
     )
