@@ -77,7 +77,8 @@ class DryRunConfig(DryRunSettings):
         """What the report calls the model: the preset or factory, or ``family:name`` of a config."""
         if not self.init_from:
             return self.model
-        return f"{hf_config_of(self.init_from).get('model_type', 'hf')}:{published.config_dir(self.init_from).name}"
+        directory = published.config_dir(self.init_from)
+        return f"{read_config(directory).get('model_type', 'hf')}:{directory.name}"
 
     def cli_args(self) -> list[str]:
         """The ``shardkit dryrun`` flags of this configuration (for a subprocess)."""
@@ -159,7 +160,7 @@ def _in_process(cfg: DryRunConfig, factory: Callable[[], Model] | None = None) -
     trainer, batch = trainer_for(cfg, factory)
     report: Report = trainer.report(batch, dry_run=True)
     out = report.to_dict()
-    out["model"] = cfg.model_label() if factory is None else cfg.model
+    out["model"] = cfg.model_label()
     out["config"] = dataclasses.asdict(cfg)
     out["peak_host_memory_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
@@ -244,7 +245,7 @@ def _extrapolated(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> dic
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         small, large = pool.map(_in_subprocess, smaller)
     result = extrapolate(small, large, shrink, layout)
-    result["model"], result["config"] = cfg.model_label() if factory is None else cfg.model, dataclasses.asdict(cfg)
+    result["model"], result["config"] = cfg.model_label(), dataclasses.asdict(cfg)
     return result
 
 

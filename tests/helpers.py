@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 import jax
@@ -141,12 +144,36 @@ def run_python(code: str, env: dict | None = None, timeout: int = 300) -> subpro
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """``python -m shardkit.cli ARGS`` in a fresh process that picks its own device count."""
+def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m shardkit.cli ARGS`` in a fresh process that picks its own device count
+    (``env``: variables added to the tests' own)."""
     return subprocess.run(
         [sys.executable, "-m", "shardkit.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS},
+        env={**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, **(env or {})},
     )
+
+
+def start_cli(*args: str, env: dict | None = None, stdout: int | None = subprocess.DEVNULL) -> subprocess.Popen:
+    """``python -m shardkit.cli ARGS`` started, not awaited (to signal it mid-run); stderr dropped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardkit.cli", *args],
+        stdout=stdout,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, **(env or {})},
+    )
+
+
+def wait_for_log_lines(path: pathlib.Path, lines: int, timeout: float = 300) -> None:
+    """Wait until a run's ``--json-log`` holds ``lines`` steps (or ``timeout`` seconds pass)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and (not path.exists() or len(path.read_text().splitlines()) < lines):
+        time.sleep(0.05)
+
+
+def json_log_losses(path: pathlib.Path) -> dict[int, float]:
+    """Step -> loss of a ``--json-log``; a step run again after a resume keeps the rerun's loss."""
+    return {record["step"]: record["loss"] for record in map(json.loads, path.read_text().splitlines())}

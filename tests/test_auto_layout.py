@@ -4,15 +4,12 @@ on each resume, with the global batch and the math of the checkpoint."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
-from helpers import TEST_XLA_FLAGS
+from helpers import json_log_losses, run_cli, start_cli, wait_for_log_lines
 
 from shardkit.auto_layout import options_of
 from shardkit.config import TrainConfig
@@ -36,46 +33,33 @@ def test_settings_given_on_the_command_line_are_kept_and_the_rest_searched():
     assert options.remat == ("none", "full") and options.zero == (0, 2)  # the planner's own search
 
 
-def _losses(path):
-    last = {}
-    for line in path.read_text().splitlines():  # a step run again after a resume: keep the rerun
-        record = json.loads(line)
-        last[record["step"]] = record["loss"]
-    return last
-
-
 @pytest.mark.slow
 def test_a_run_checkpointed_on_8_devices_resumes_on_4_replanned_with_the_same_losses(tmp_path):
     hardware = tmp_path / "small.json"
     hardware.write_text(json.dumps(SMALL_DEVICE))
-    base = [sys.executable, "-m", "shardkit.cli", "train", "--model", "tiny", "--layout", "auto"]
-    base += ["--hardware", str(hardware), "--batch", "16", "--seq", "64", "--steps", "12", "--precision", "fp32"]
-    base += ["--sample-tokens", "0", "--checkpoint-every", "100"]
-    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, "SHARDKIT_CACHE": str(tmp_path / "cache")}
+    base = ["train", "--model", "tiny", "--layout", "auto", "--hardware", str(hardware), "--batch", "16", "--seq", "64"]
+    base += ["--steps", "12", "--precision", "fp32", "--sample-tokens", "0", "--checkpoint-every", "100"]
+    cache = {"SHARDKIT_CACHE": str(tmp_path / "cache")}
     ckpt, log = tmp_path / "run", tmp_path / "a.jsonl"
-    first = subprocess.Popen(
-        [*base, "--devices", "8", "--checkpoint-dir", str(ckpt), "--json-log", str(log)],
+    first = start_cli(
+        *base,
+        "--devices",
+        "8",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--json-log",
+        str(log),
+        env=cache,
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
     )
-    deadline = time.time() + 300
-    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 5):
-        time.sleep(0.05)
+    wait_for_log_lines(log, 5)
     first.send_signal(signal.SIGTERM)  # a node is lost: the run saves where it is and stops
     out_first, _ = first.communicate(timeout=120)
     assert first.returncode == 128 + signal.SIGTERM
     placed_on_8 = re.search(r"layout auto: 8 devices .*?: (\S+), microbatches (\d+)", out_first)
     assert placed_on_8, out_first
 
-    second = subprocess.run(
-        [*base, "--devices", "4", "--checkpoint-dir", str(ckpt), "--json-log", str(log)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    second = run_cli(*base, "--devices", "4", "--checkpoint-dir", str(ckpt), "--json-log", str(log), env=cache)
     assert second.returncode == 0, second.stderr
     placed_on_4 = re.search(r"layout auto: 4 devices .*?: (\S+), microbatches (\d+)", second.stdout)
     assert placed_on_4, second.stdout
@@ -87,15 +71,9 @@ def test_a_run_checkpointed_on_8_devices_resumes_on_4_replanned_with_the_same_lo
     assert layout_4 != placed_on_8.group(1)
     assert microbatches_4 > 1 or "fsdp" in layout_4 or "tensor" in layout_4
 
-    straight = subprocess.run(
-        [*base, "--devices", "8", "--json-log", str(tmp_path / "b.jsonl")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    straight = run_cli(*base, "--devices", "8", "--json-log", str(tmp_path / "b.jsonl"), env=cache)
     assert straight.returncode == 0, straight.stderr
-    got, reference = _losses(log), _losses(tmp_path / "b.jsonl")
+    got, reference = json_log_losses(log), json_log_losses(tmp_path / "b.jsonl")
     assert sorted(got) == sorted(reference) == list(range(1, 13))
     for step in reference:
         assert got[step] == pytest.approx(reference[step], rel=1e-5), step
@@ -105,29 +83,17 @@ def test_a_run_checkpointed_on_8_devices_resumes_on_4_replanned_with_the_same_lo
 def test_two_processes_plan_once_and_train_the_same_steps_as_one(tmp_path):
     """Under jax.distributed process 0 plans (its compiles in worker processes) and every process
     takes its answer; the run is the one a single process of the same 8 devices trains."""
-    train = ["shardkit", "train", "--model", "tiny", "--layout", "auto", "--steps", "3", "--batch", "16"]
-    train += ["--seq", "64", "--sample-tokens", "0", "--precision", "fp32"]
-    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, "SHARDKIT_CACHE": str(tmp_path / "cache")}
-    launch = [sys.executable, "-m", "shardkit.cli", "launch", "--nproc", "2", "--devices-per-proc", "4", "--"]
-    two = subprocess.run(
-        [*launch, *train, "--json-log", str(tmp_path / "two.jsonl")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    train = ["train", "--model", "tiny", "--layout", "auto", "--steps", "3", "--batch", "16", "--seq", "64"]
+    train += ["--sample-tokens", "0", "--precision", "fp32"]
+    cache = {"SHARDKIT_CACHE": str(tmp_path / "cache")}
+    launch = ["launch", "--nproc", "2", "--devices-per-proc", "4", "--", "shardkit"]
+    two = run_cli(*launch, *train, "--json-log", str(tmp_path / "two.jsonl"), env=cache)
     assert two.returncode == 0, two.stderr[-3000:]
     said = two.stdout + two.stderr
     assert said.count("layout auto: 8 devices") == 1 and "[rank 0] layout auto: 8 devices" in said
-    one = subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", *train[1:], "--devices", "8", "--json-log", str(tmp_path / "one.jsonl")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    one = run_cli(*train, "--devices", "8", "--json-log", str(tmp_path / "one.jsonl"), env=cache)
     assert one.returncode == 0, one.stderr[-3000:]
-    got, reference = _losses(tmp_path / "two.jsonl"), _losses(tmp_path / "one.jsonl")
+    got, reference = json_log_losses(tmp_path / "two.jsonl"), json_log_losses(tmp_path / "one.jsonl")
     assert sorted(got) == [1, 2, 3]
     for step in reference:
         assert got[step] == pytest.approx(reference[step], rel=1e-5), step

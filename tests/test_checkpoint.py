@@ -12,7 +12,15 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import TEST_XLA_FLAGS, assert_adam_params_close, assert_trees_close
+from helpers import (
+    TEST_XLA_FLAGS,
+    assert_adam_params_close,
+    assert_trees_close,
+    json_log_losses,
+    run_cli,
+    start_cli,
+    wait_for_log_lines,
+)
 
 import shardkit as sk
 from shardkit.checkpoint import Checkpointer
@@ -171,63 +179,24 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_pat
 def test_cli_killed_then_resumed_under_another_layout(tmp_path):
     """A preempted `shardkit train --checkpoint-dir` run, re-run with another layout, ends where
     the uninterrupted run ends."""
-    base = [
-        sys.executable,
-        "-m",
-        "shardkit.cli",
-        "train",
-        "--model",
-        "tiny",
-        "--batch",
-        "8",
-        "--seq",
-        "32",
-        "--steps",
-        "20",
-        "--sample-tokens",
-        "0",
-        "--checkpoint-every",
-        "5",
-    ]
-    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}
+    base = ["train", "--model", "tiny", "--batch", "8", "--seq", "32", "--steps", "20", "--sample-tokens", "0"]
+    base += ["--checkpoint-every", "5"]
     ckpt, log = tmp_path / "run", tmp_path / "a.jsonl"
-    first = subprocess.Popen(
-        [*base, "--layout", "fsdp=8", "--checkpoint-dir", str(ckpt), "--json-log", str(log)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
-    deadline = time.time() + 300
-    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 12):
-        time.sleep(0.05)
+    first = start_cli(*base, "--layout", "fsdp=8", "--checkpoint-dir", str(ckpt), "--json-log", str(log))
+    wait_for_log_lines(log, 12)
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=60)
     killed_at = len(log.read_text().splitlines())
     assert 12 <= killed_at < 20
-    second = subprocess.run(
-        [*base, "--layout", "data=2,tensor=4", "--checkpoint-dir", str(ckpt), "--json-log", str(log)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    second = run_cli(*base, "--layout", "data=2,tensor=4", "--checkpoint-dir", str(ckpt), "--json-log", str(log))
     assert second.returncode == 0, second.stderr
     # The newest complete checkpoint: a save still being written at the kill does not count.
     resumed_from = int(re.search(r"at step (\d+) \(saved under layout fsdp=8\)", second.stdout).group(1))
     assert resumed_from % 5 == 0 and 5 <= resumed_from <= killed_at
-    straight = subprocess.run(
-        [*base, "--layout", "fsdp=8", "--json-log", str(tmp_path / "b.jsonl")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    straight = run_cli(*base, "--layout", "fsdp=8", "--json-log", str(tmp_path / "b.jsonl"))
     assert straight.returncode == 0, straight.stderr
-    last = {}
-    for line in log.read_text().splitlines():  # steps after the checkpoint appear twice: keep the rerun
-        record = json.loads(line)
-        last[record["step"]] = record["loss"]
-    reference = {json.loads(x)["step"]: json.loads(x)["loss"] for x in (tmp_path / "b.jsonl").read_text().splitlines()}
+    last = json_log_losses(log)  # steps after the checkpoint appear twice: the rerun's kept
+    reference = json_log_losses(tmp_path / "b.jsonl")
     assert sorted(last) == list(range(1, 21))
     np.testing.assert_allclose([last[s] for s in range(1, 21)], [reference[s] for s in range(1, 21)], rtol=1e-4)
     assert Checkpointer(ckpt).steps()[-1] == 20

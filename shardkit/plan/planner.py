@@ -148,6 +148,30 @@ def _not_chosen_note(c: Candidate, chosen: list[Candidate]) -> str:
     return "not compiled: slower by the estimate"
 
 
+@dataclasses.dataclass
+class _Bound:
+    """What the compiles so far say about the rest: the fastest compiled plan that fits, and the
+    least ratio of a compiled step to its estimate. A layout estimated no faster than that plan
+    need not be compiled, but only while every compiled step came out slower than its estimate
+    (the estimate then bounds the step from below; a small model's can be above its compiled
+    step, and then every layout of the top is compiled)."""
+
+    fastest: float = math.inf
+    least_ratio: float = math.inf
+
+    def see(self, row: Plan) -> None:
+        predicted, estimated = row.predicted_step_seconds, row.estimated_step_seconds
+        if predicted is None:
+            return
+        if row.fits:
+            self.fastest = min(self.fastest, predicted)
+        if estimated:
+            self.least_ratio = min(self.least_ratio, predicted / estimated)
+
+    def rules_out(self, estimated_seconds: float) -> bool:
+        return self.least_ratio >= 1.0 and estimated_seconds >= self.fastest
+
+
 def _take_from_cache(question: Question, chosen: list[Candidate], cache: DryRunCache) -> None:
     """Give each chosen layout its dry runs to compile, less what the cache already knows."""
     budget = question.budget
@@ -272,28 +296,16 @@ def plan(
     finished = [c for c in chosen if not c.configs]
     budget, hw, dtype = question.budget, question.hw, question.compute_dtype
 
-    # The fastest compiled plan that fits so far. The estimate counts the least work a layout does,
-    # so a layout estimated no faster than that need not be compiled: trusted only while every
-    # layout compiled in this search came out slower than its estimate (a small model's estimate
-    # can be above its compiled step, and then every layout of the top is compiled).
-    def fastest_fitting(jobs: list[Candidate]) -> float:
-        seconds = (r.predicted_step_seconds for r in (plan_of(j, budget, hw, dtype) for j in jobs) if r.fits)
-        return min((t for t in seconds if t is not None), default=math.inf)
-
-    def least_ratio(jobs: list[Candidate]) -> float:
-        rows = (plan_of(j, budget, hw, dtype) for j in jobs)
-        pairs = ((r.predicted_step_seconds, r.estimated_step_seconds) for r in rows)
-        ratios = (predicted / estimated for predicted, estimated in pairs if predicted and estimated)
-        return min(ratios, default=1.0)
-
-    fastest, ratio = [fastest_fitting(finished)], [least_ratio(finished)]
+    bound = _Bound()
+    for job in finished:  # what the cache already knows counts too
+        bound.see(plan_of(job, budget, hw, dtype))
 
     def slower(job: Candidate) -> bool:
-        if not options.prune or ratio[0] < 1.0 or job.estimate.step_seconds < fastest[0]:
+        if not options.prune or not bound.rules_out(job.estimate.step_seconds):
             return False
         say(
             f"skipped {job.spec}: estimated {job.estimate.step_seconds:.3f} s/step, no faster than "
-            f"{fastest[0]:.3f} s compiled"
+            f"{bound.fastest:.3f} s compiled"
         )
         return True
 
@@ -301,9 +313,8 @@ def plan(
         for cfg, result in zip(job.configs, job.results[job.cached :], strict=False):
             cache.put(cfg, result, facts.fingerprint)
         finished.append(job)
-        fastest[0] = min(fastest[0], fastest_fitting([job]))
-        ratio[0] = min(ratio[0], least_ratio([job]))
         row = plan_of(job, budget, hw, dtype)
+        bound.see(row)
         step = f"{row.predicted_step_seconds:.3f} s/step" if row.predicted_step_seconds is not None else row.note
         say(
             f"[{len(finished)} of {len(chosen)}] {row.layout} remat={row.remat} microbatches={row.microbatches}: "
