@@ -272,20 +272,29 @@ def test_the_bound_counts_a_pipelines_sends_between_stages():
     assert plain["lower_bound"]["bytes_stage"] == 0.0
 
 
+def _gpt(name):
+    return lambda: GPTConfig.preset(name).model()
+
+
+def _byo(name):  # models written without shardkit (examples/): Flax NNX and Linen
+    return lambda: getattr(__import__("byo_factories"), name)()
+
+
 @pytest.mark.parametrize(
-    "layout, kwargs",
+    "model, layout, kwargs",
     [
-        ("fsdp=8", {}),
-        ("data=2,fsdp=2,tensor=2", {"precision": "bf16-master"}),
-        ("data=4,tensor=2", {"zero": 2, "microbatches": 2}),
-        ("data=2,fsdp=2,stage=2", {"microbatches": 2}),
+        (_gpt("tiny"), "fsdp=8", {}),
+        (_gpt("tiny"), "data=2,fsdp=2,tensor=2", {"precision": "bf16-master"}),
+        (_gpt("tiny"), "data=4,tensor=2", {"zero": 2, "microbatches": 2}),
+        (_gpt("mini"), "data=2,fsdp=2,stage=2", {"microbatches": 2}),
+        (_byo("gemma_lm"), "data=2,fsdp=2,tensor=2", {"precision": "bf16-master"}),
+        (_byo("linen_lm"), "fsdp=8", {}),
     ],
 )
-def test_a_dry_run_compiles_the_same_buffers_and_collectives_without_code_optimization(layout, kwargs):
+def test_a_dry_run_compiles_the_same_buffers_and_collectives_without_code_optimization(model, layout, kwargs):
     """A dry run compiles without LLVM's optimization of the generated code (faster); what the
     report reads (buffers, collectives, FLOPs) comes before code generation and must not move."""
-    cfg = GPTConfig.preset("mini") if "stage" in layout else CFG
-    trainer = sk.Trainer(cfg.model(), optax.adamw(1e-3), layout, **kwargs)
+    trainer = sk.Trainer(model(), optax.adamw(1e-3), layout, **kwargs)
     dry = trainer.report(BATCH, dry_run=True)
     assert not trainer._compiled  # a program compiled for a dry run is never the one a step runs
     full = trainer.report(BATCH)
