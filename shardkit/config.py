@@ -120,6 +120,11 @@ class TrainConfig:
         "ZeRO stage over the data axis, parameters whole on every device: 1 shards the optimizer state and "
         "master weights, 2 the gradients too (0: off; stage 3 is the layout's fsdp axis)",
     )
+    fsdp_min_size: int | None = setting(
+        None,
+        "parameters of fewer elements per layer stay whole on every device under fsdp, not gathered one by one "
+        "(unset: vectors such as norm scales and biases stay whole, every matrix is split; 0: split all)",
+    )
     reduce_gradients: str = setting(
         "auto",
         "with --microbatches >1, when the devices reduce the gradients: once per step, per_microbatch, or auto "
@@ -197,6 +202,7 @@ class TrainConfig:
             raise InputError(f"--clip must be a finite number >= 0 (0: no clipping), got {self.clip}.")
         if self.zero not in (0, 1, 2):
             raise InputError(f"--zero {self.zero}: give a ZeRO stage 0, 1 or 2 (stage 3 is --layout fsdp=N).")
+        check_fsdp_min_size(self.fsdp_min_size)
         if self.profile_steps is not None:
             self.profiled_steps()  # a malformed range is refused here, before anything runs
         if self.tensorboard is not None:
@@ -279,6 +285,7 @@ class DryRunSettings:
     virtual_stages: int = same_as(TrainConfig, "virtual_stages")
     remat: str = same_as(TrainConfig, "remat")
     zero: int = same_as(TrainConfig, "zero")
+    fsdp_min_size: int | None = same_as(TrainConfig, "fsdp_min_size")
     reduce_gradients: str = same_as(TrainConfig, "reduce_gradients")
     sequence_parallel: bool = same_as(TrainConfig, "sequence_parallel")
     scan_layers: bool = setting(True, "unroll the layer stack instead of scanning it", flag="--unrolled", negate=True)
@@ -297,6 +304,22 @@ class DryRunSettings:
                 raise InputError(f"--{flag} {value}: give a positive number.")
         if self.zero not in (0, 1, 2):
             raise InputError(f"--zero {self.zero}: give a ZeRO stage 0, 1 or 2 (stage 3 is --layout fsdp=N).")
+        check_fsdp_min_size(self.fsdp_min_size)
+
+
+def check_fsdp_min_size(value: object) -> None:
+    """Refuse an ``fsdp_min_size`` that is not None or a count of elements >= 0.
+
+    Raises:
+      InputError: naming the accepted values.
+    """
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return
+    raise InputError(
+        f"fsdp_min_size={value!r} (--fsdp-min-size): give a count of elements >= 0 (parameters smaller than it "
+        "per layer stay whole under fsdp; 0 splits every one), or leave it unset to keep norm scales and biases "
+        "whole."
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -127,6 +127,7 @@ def _trainer_and_batch(model: Model, cfg: DryRunConfig, seq: int) -> tuple[Train
         schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages,
         zero=cfg.zero,
+        fsdp_min_size=cfg.fsdp_min_size,
         reduce_gradients=cfg.reduce_gradients,
         sequence_parallel=cfg.sequence_parallel,
     )

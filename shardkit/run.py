@@ -152,6 +152,7 @@ def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer, T
         schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages,
         zero=cfg.zero,
+        fsdp_min_size=cfg.fsdp_min_size,
         reduce_gradients=cfg.reduce_gradients,
     )
     print(

@@ -220,6 +220,7 @@ def plan_sharding(
     allow_replicate: bool = False,
     devices: Sequence[jax.Device] | None = None,
     zero: int = 0,
+    fsdp_min_size: int | None = None,
 ) -> ShardingPlan:
     """Resolve where every parameter, optimizer state and batch array lives; compiles nothing.
 
@@ -236,6 +237,8 @@ def plan_sharding(
       allow_replicate: replicate non-dividing parameter dimensions, listed in ``fallbacks``.
       devices: the devices of the mesh (default: all).
       zero: ZeRO stage 0, 1 or 2 over the ``data`` axis (see :class:`ShardingPlan`).
+      fsdp_min_size: which parameters stay whole over ``fsdp`` (:func:`keep_vectors_whole`):
+        None, vectors per layer (norm scales, biases); N, fewer than N elements per layer; 0, none.
 
     Returns:
       The :class:`ShardingPlan`.
@@ -252,6 +255,7 @@ def plan_sharding(
         # A model that names no parameter's axes still gets ZeRO-3 under fsdp, as PyTorch FSDP
         # shards any module.
         param_specs = unnamed_fsdp_specs(abstract_params, dict(mesh.shape))
+    param_specs = keep_vectors_whole(param_specs, abstract_params, model.axes, fsdp_min_size)
     abstract_opt = jax.eval_shape(lambda p: optimizer.init(precision.optimizer_copy(p)), abstract_params)
     update_specs = zero_specs(param_specs, abstract_params, dict(mesh.shape)) if zero else param_specs
     replicated: Any = PartitionSpec()  # a leaf of the state's tree of specs
@@ -301,6 +305,66 @@ def unnamed_fsdp_specs(abstract_params: Any, mesh_shape: Mapping[str, int]) -> A
         return PartitionSpec(*([None] * d), "fsdp", *([None] * (len(leaf.shape) - d - 1)))
 
     return jax.tree.map(split, abstract_params)
+
+
+def keep_vectors_whole(
+    param_specs: Any, abstract_params: Any, param_axes: Any, min_size: int | None = None, axis: str = "fsdp"
+) -> Any:
+    """Each parameter's spec without ``axis`` where the parameter is too small to be worth
+    splitting over it: DeepSpeed ZeRO-3's ``param_persistence_threshold``.
+
+    Under FSDP every split parameter is gathered before each use and its gradient reduce-scattered
+    after: one collective each way per parameter per layer. A norm scale or a bias is a few KB,
+    so those collectives cost their latency and nothing else, and a whole copy on every device
+    costs little memory. ``min_size=None`` (the default) keeps every parameter whole that is a
+    vector per layer: one dimension besides a stacked ``layers`` dimension (norm scales, biases),
+    whatever the model's width, while every matrix is split. An int keeps whole the parameters
+    of fewer than ``min_size`` elements per layer (DeepSpeed's rule); 0 splits everything.
+
+    Args:
+      param_specs: ``PartitionSpec`` of each parameter.
+      abstract_params: the parameters' shapes (the same tree).
+      param_axes: the parameters' logical names (:class:`shardkit.partition.Axes` tree), which
+        say which dimension, if any, stacks layers.
+      min_size: elements per layer under which a parameter stays whole; None: vectors stay whole.
+      axis: the mesh axis to drop.
+
+    Returns:
+      The tree of specs, ``axis`` removed from the small parameters'.
+
+    Example:
+      >>> import jax
+      >>> from shardkit.partition import Axes
+      >>> specs = {"scale": PartitionSpec(None, "fsdp"), "w": PartitionSpec(None, "fsdp", None)}
+      >>> shapes = {"scale": jax.ShapeDtypeStruct((4, 64), "float32"),
+      ...           "w": jax.ShapeDtypeStruct((4, 64, 256), "float32")}
+      >>> axes = {"scale": Axes(("layers", "embed")), "w": Axes(("layers", "embed", "mlp"))}
+      >>> keep_vectors_whole(specs, shapes, axes)
+      {'scale': P(None, None), 'w': P(None, 'fsdp', None)}
+    """
+    if min_size == 0:
+        return param_specs
+
+    def small(leaf: Any, ax: Axes) -> bool:
+        names = ax.names or ()
+        layer_dims = [d for d, name in enumerate(names) if name == "layers"]
+        per_layer = [n for d, n in enumerate(leaf.shape) if d not in layer_dims]
+        if min_size is None:
+            return len(per_layer) <= 1
+        return math.prod(per_layer) < min_size
+
+    def one(spec: PartitionSpec, leaf: Any, ax: Axes) -> PartitionSpec:
+        if not small(leaf, ax) or not any(axis in entry_axes(e) for e in spec):
+            return spec
+        return PartitionSpec(*(_without(entry, axis) for entry in spec))
+
+    return jax.tree.map(one, param_specs, abstract_params, param_axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def _without(entry: Any, axis: str) -> Any:
+    """A ``PartitionSpec`` entry without ``axis``: None, one name, or a tuple of names."""
+    kept = tuple(a for a in entry_axes(entry) if a != axis)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def unnamed_model_note(model: Model, mesh_shape: Mapping[str, int]) -> str | None:

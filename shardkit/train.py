@@ -23,6 +23,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit.accumulation import choose
+from shardkit.config import check_fsdp_min_size
 from shardkit.errors import InputError, LayoutError, ModelError, short_repr
 from shardkit.inputs import check_host_batch, check_sequence_length, vocab_size
 from shardkit.losses import LossFn, cross_entropy, like, mse_loss, next_token_loss
@@ -102,6 +103,10 @@ class Trainer:
       zero: ZeRO stage over the ``data`` axis, with the parameters whole on every device: 1 shards
         the optimizer state (and master weights) over it, 2 the gradients too (reduce-scattered,
         not all-reduced); 0 is off. ZeRO-3 is the layout's ``fsdp`` axis.
+      fsdp_min_size: which parameters stay whole on every device under ``fsdp`` rather than being
+        gathered and reduce-scattered one by one (DeepSpeed's ``param_persistence_threshold``):
+        None (default) keeps vectors per layer whole (norm scales, biases) and splits every
+        matrix; N keeps parameters of fewer than N elements per layer whole; 0 splits all.
       reduce_gradients: with ``microbatches > 1``, when the devices reduce the gradients:
         ``"once"`` per step after the loop or the pipeline's schedule (each device sums its own
         rows' gradients first), ``"per_microbatch"`` inside the loop (in each backward slot), or
@@ -138,6 +143,7 @@ class Trainer:
         virtual_stages: int = 1,
         devices: Sequence[jax.Device] | None = None,
         zero: int = 0,
+        fsdp_min_size: int | None = None,
         reduce_gradients: str = "auto",
     ) -> None:
         if not isinstance(optimizer, optax.GradientTransformation):
@@ -161,6 +167,7 @@ class Trainer:
                 f"zero={zero!r}: ZeRO stage 1 shards the optimizer state over the data axis, 2 the gradients too "
                 "(0: off). Stage 3 is the fsdp axis of the layout (e.g. 'fsdp=8')."
             )
+        check_fsdp_min_size(fsdp_min_size)
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.precision, self.microbatches, self.nonfinite = as_precision(precision), microbatches, nonfinite
         self.max_skips, self.skipped_in_a_row = max_skips, 0
@@ -179,6 +186,7 @@ class Trainer:
             allow_replicate=allow_replicate,
             devices=devices,
             zero=zero,
+            fsdp_min_size=fsdp_min_size,
         )
         if zero and self.layout.size("data") == 1:
             raise LayoutError(

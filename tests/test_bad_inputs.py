@@ -159,6 +159,7 @@ CLI_CASES = [
     ),
     Case("cli-profile-steps-malformed", train_flags("--profile-steps", "3-5"), r"--profile-steps 3-5: give A:B"),
     Case("cli-zero-stage-three", train_flags("--zero", "3"), r"--zero 3: give a ZeRO stage 0, 1 or 2"),
+    Case("cli-fsdp-min-size-negative", train_flags("--fsdp-min-size", "-1"), r"fsdp_min_size=-1 \(--fsdp-min-size\)"),
     Case("cli-b2-one-or-more", train_flags("--b2", "1.5"), r"--b2 must be in \(0, 1\)"),
     Case("cli-clip-negative", train_flags("--clip", "-1"), r"--clip must be a finite number >= 0"),
     Case("cli-lr-schedule-unknown", train_flags("--lr-schedule", "linear"), r"invalid choice: 'linear'"),

@@ -191,6 +191,22 @@ def test_any_model_benchmark_small(tmp_path):
 
 
 @pytest.mark.slow
+def test_fsdp_min_size_benchmark_small(tmp_path):
+    out = run(
+        sys.executable,
+        "benchmarks/fsdp_min_size.py",
+        *("--dim", "64", "--layers", "2", "--seq", "32", "--no-llama", "--json", str(tmp_path / "f.json")),
+    )
+    rows = json.loads((tmp_path / "f.json").read_text())["rows"]
+    by = {(r["model"], r["setting"]): r for r in rows}
+    for model in ("nnx-gemma", "linen-lm", "nnx-plain", "gpt-mini"):
+        split, whole = by[model, "all split"], by[model, "vectors whole"]
+        assert whole["over_fsdp"] < split["over_fsdp"]
+        assert whole["params_per_device"] > split["params_per_device"]
+    assert "vectors whole" in out
+
+
+@pytest.mark.slow
 def test_plan_time_benchmark_small(tmp_path):
     out = run(
         sys.executable,

@@ -79,7 +79,7 @@ def test_fsdp_report_gathers_params_and_reduce_scatters_gradients():
 
 
 def test_fsdp_memory_per_device_is_total_over_n():
-    trainer, report = report_for("fsdp=8")
+    trainer, report = report_for("fsdp=8", fsdp_min_size=0)  # every parameter split, norm scales too
     abstract = trainer.abstract_state()
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((abstract.params, abstract.opt_state)))
     per_device = report.memory.params + report.memory.optimizer

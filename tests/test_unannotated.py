@@ -50,11 +50,14 @@ def one_device_losses():
 def test_an_unannotated_model_gets_zero3_under_fsdp():
     model = sk.from_nnx(plain_lm)
     trainer = sk.Trainer(model, optax.adamw(LR), "fsdp=8")
-    # Every parameter is split over fsdp (each has a dimension 8 divides), and its Adam moments too.
-    specs = jax.tree.leaves(trainer.state_shardings.params, is_leaf=lambda x: hasattr(x, "spec"))
-    assert all("fsdp" in str(s.spec) for s in specs), [s.spec for s in specs]
+    # Every matrix is split over fsdp (each has a dimension 8 divides), and its Adam moments too;
+    # the vectors (biases, LayerNorm scales) stay whole (fsdp_min_size's default).
+    leaves = jax.tree.leaves(trainer.state_shardings.params, is_leaf=lambda x: hasattr(x, "spec"))
+    shapes = jax.tree.leaves(trainer.abstract_params)
+    split = ["fsdp" in str(s.spec) for s in leaves]
+    assert split == [len(x.shape) >= 2 for x in shapes], [(s.spec, x.shape) for s, x in zip(leaves, shapes)]
     moments = jax.tree.leaves(trainer.state_shardings.opt_state, is_leaf=lambda x: hasattr(x, "spec"))
-    assert sum("fsdp" in str(s.spec) for s in moments) == 2 * len(specs)  # Adam's mu and nu
+    assert sum("fsdp" in str(s.spec) for s in moments) == 2 * sum(split)  # Adam's mu and nu
     assert tuple(trainer.state_shardings.params["embed"]["embedding"].spec)[:1] == ("fsdp",)  # vocab rows
     # The compiled step: weights gathered and gradients reduce-scattered over fsdp, at the bound;
     # state per device an eighth of data parallelism's.
