@@ -201,6 +201,18 @@ def test_tensor_parallel_reduces_activations_over_tensor_only(reports, kind):
     assert report.lower_bound["bytes_tensor"] > 0
 
 
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_flax_embedding_lookups_gather_features_not_activations(reports, kind):
+    # nnx.Embed / nn.Embed under data=2,fsdp=2,tensor=2: the table's fsdp split is gathered
+    # first, so the lookup is vocab-parallel (one all-reduce over tensor, Megatron's) instead
+    # of an involuntary rematerialization: the looked-up rows gathered over data and tensor
+    # and moved back with collective-permutes.
+    _, report = reports[kind, "data=2,fsdp=2,tensor=2"]
+    lookup = [c for c in report.collectives if "embed/" in c.op and c.direction == "forward"]
+    assert not [c for c in report.collectives if c.kind == "collective-permute"], report.collectives
+    assert {(c.kind, c.axes) for c in lookup} == {("all-gather", ("fsdp",)), ("all-reduce", ("tensor",))}, lookup
+
+
 def test_nnx_report_names_module_paths():
     trainer = sk.Trainer(nnx_model(), optax.adamw(3e-3), "fsdp=8")
     ops = {c.op for c in trainer.report(BATCH).collectives}
