@@ -11,8 +11,8 @@ from helpers import TEST_XLA_FLAGS
 
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 # The xdist workers and every process a test starts map their step buffers in huge pages, as the
-# shardkit command does (shardkit.host_allocator); this process has started already.
-from shardkit.host_allocator import with_huge_pages
+# shardkit command does (shardkit.runtime.host_allocator); this process has started already.
+from shardkit.runtime.host_allocator import with_huge_pages
 
 os.environ.update(with_huge_pages())
 

@@ -25,7 +25,7 @@ import optax
 from _results import write_json
 
 import shardkit as sk
-from shardkit.rules import entry_axes
+from shardkit.core.rules import entry_axes
 
 ROWS = {"data", "fsdp"}
 

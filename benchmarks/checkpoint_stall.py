@@ -16,7 +16,7 @@ sk.simulate_devices(8)
 import optax
 from _results import write_json
 
-from shardkit.checkpoint import Checkpointer
+from shardkit.training.checkpoint import Checkpointer
 
 
 class RssPeak:

@@ -33,7 +33,7 @@ SHARDKIT_FORMS = {
     "shardkit-glibc-malloc": {},  # the default form, its host buffers in 4 KB pages (below)
 }
 # Workers that run with glibc's defaults, each step's host buffers mapped in 4 KB pages (the others
-# start as the shardkit command would, shardkit.host_allocator).
+# start as the shardkit command would, shardkit.runtime.host_allocator).
 GLIBC_DEFAULTS = {"shardkit-glibc-malloc"}
 
 
@@ -177,7 +177,7 @@ def _torch_rank(rank: int, world: int, steps: int, warmup: int, queue) -> None:
 def run_worker(python: str, worker: str, steps: int, warmup: int) -> dict:
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
     if worker in SHARDKIT_FORMS:
-        from shardkit.host_allocator import with_huge_pages, without_huge_pages
+        from shardkit.runtime.host_allocator import with_huge_pages, without_huge_pages
 
         # glibc's defaults for the comparison form, whatever this shell asks for
         env = without_huge_pages(env) if worker in GLIBC_DEFAULTS else with_huge_pages(env)

@@ -52,8 +52,8 @@ def cli_dryrun(model: str, layout: str, batch: int) -> tuple[dict, float]:
 
 def extrapolated_below(model: str, layout: str, batch: int) -> dict:
     """The layout extrapolated from its axis at a quarter and a half (the limit lowered to half)."""
-    ex = importlib.import_module("shardkit.extrapolate")
-    from shardkit.mesh import Layout
+    ex = importlib.import_module("shardkit.analysis.extrapolate")
+    from shardkit.core.mesh import Layout
 
     parsed = Layout.parse(layout)
     shrink = ex.shrink_plan(parsed, limit=parsed.num_devices // 2)
@@ -73,7 +73,7 @@ def main() -> None:
     checks, far = (CHECKS[:1], FAR[-2:]) if args.quick else (CHECKS, FAR)
     rows = []
     print(f"{'model':14s} {'layout':24s} {'devices':>7s} {'memory ext/full':>15s} {'bytes':>7s} {'FLOPs':>7s}")
-    from shardkit.errors import LayoutError
+    from shardkit.core.errors import LayoutError
 
     for model, layout, batch in checks:
         full, _ = cli_dryrun(model, layout, batch)

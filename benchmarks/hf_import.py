@@ -113,7 +113,7 @@ def write_checkpoint(directory: pathlib.Path, dim: int, layers: int, vocab: int,
 
 def worker(directory: str, layout: str) -> None:
     """One process of the sharded import: print its own share and the memory it added."""
-    from shardkit import distributed
+    from shardkit.runtime import distributed
 
     distributed.initialize()
     import jax

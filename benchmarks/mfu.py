@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from shardkit.hardware import PROFILES
+from shardkit.analysis.hardware import PROFILES
 
 
 def peak_flops(dtype):

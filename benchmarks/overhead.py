@@ -24,7 +24,7 @@ import jax
 import optax
 from flax import nnx
 
-from shardkit import hlo
+from shardkit.analysis import hlo
 
 
 def hand_written_step(model_cfg, optimizer, state_shardings, batch_sharding, mesh, rules):

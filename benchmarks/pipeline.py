@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from shardkit import hlo
+from shardkit.analysis import hlo
 
 
 def trainer_for(cfg, p, m, schedule, rows, v=1):

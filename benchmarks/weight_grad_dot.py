@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardkit import hlo
+from shardkit.analysis import hlo
 from shardkit.models.gpt import rows_matmul
 
 

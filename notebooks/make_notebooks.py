@@ -221,7 +221,7 @@ CHECKPOINT = [
         "code",
         "import shardkit as sk\n\nsk.simulate_devices(8)\n\n"
         "import tempfile\n\nimport matplotlib.pyplot as plt\nimport numpy as np\nimport optax\n\n"
-        "from shardkit.checkpoint import Checkpointer",
+        "from shardkit.training.checkpoint import Checkpointer",
     ),
     (
         "code",
@@ -607,7 +607,7 @@ FINETUNE = [
         "import json\nimport pathlib\nimport shutil\n\n"
         "import matplotlib.pyplot as plt\nimport numpy as np\nimport optax\n"
         "from safetensors import safe_open\nfrom safetensors.numpy import save_file\n\n"
-        "from shardkit.tokenizer import train_bpe",
+        "from shardkit.io.tokenizer import train_bpe",
     ),
     (
         "markdown",

@@ -13,7 +13,7 @@ import sys
 import time
 
 import shardkit as sk
-from shardkit.xla_flags import use_overlap_flags
+from shardkit.runtime.xla_flags import use_overlap_flags
 
 # Settings: edit them here, or override as key=value on the command line.
 model = "tiny"  # a GPT preset: tiny, mini, gpt2-small, ... (sk.models.GPTConfig.preset)
@@ -34,11 +34,11 @@ for argument in sys.argv[1:]:  # key=value, typed like the default it replaces
     globals()[key] = type(globals()[key])(value)
 
 sk.simulate_devices(sk.Layout.parse(layout).num_devices if "-1" not in layout else 8, if_no_accelerator=True)
-use_overlap_flags()  # on GPUs, collectives overlap compute (shardkit.xla_flags); the CPU ignores them
+use_overlap_flags()  # on GPUs, collectives overlap compute (shardkit.runtime.xla_flags); the CPU ignores them
 
 import optax  # imported after the simulated device count is set, as JAX starts here
 
-from shardkit.data import load_text
+from shardkit.io.data import load_text
 
 cfg = sk.models.GPTConfig.preset(model)
 net = sk.from_nnx(lambda rngs: sk.models.GPT(cfg, rngs=rngs))

@@ -27,8 +27,8 @@ if mode in ("sleep", "stubborn"):
     time.sleep(300)
     sys.exit(0)
 
-from shardkit import distributed
-from shardkit.errors import ShardkitError
+from shardkit.core.errors import ShardkitError
+from shardkit.runtime import distributed
 
 try:
     distributed.initialize(timeout_s=60)

@@ -14,7 +14,7 @@ import sys
 import time
 
 import shardkit as sk
-from shardkit import distributed
+from shardkit.runtime import distributed
 
 mode, layout = sys.argv[1], sys.argv[2]
 spec = distributed.initialize()
@@ -26,8 +26,8 @@ if spec is None:
 import jax
 import optax
 
-from shardkit.checkpoint import Checkpointer
-from shardkit.generate import generate
+from shardkit.models.generate import generate
+from shardkit.training.checkpoint import Checkpointer
 
 cfg = sk.models.GPTConfig.preset("tiny", dropout=0.1)
 trainer = sk.Trainer(cfg.model(), optax.adamw(3e-3), layout)

@@ -14,10 +14,10 @@ from flax import nnx
 from helpers import assert_adam_params_close, assert_trees_close, reference_training, run_trainer
 
 import shardkit as sk
-from shardkit.dropout import dropout
-from shardkit.errors import InputError, LayoutError
+from shardkit.core.errors import InputError, LayoutError
+from shardkit.core.rules import entry_axes
 from shardkit.models import GPT, GPTConfig
-from shardkit.rules import entry_axes
+from shardkit.models.dropout import dropout
 
 K = 4
 B, T = 32, 32

@@ -11,7 +11,7 @@ from helpers import assert_adam_params_close, reference_training, run_trainer
 from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
-from shardkit import hlo
+from shardkit.analysis import hlo
 from shardkit.models import MLP, MLPConfig
 
 D, F = 32, 128

@@ -16,7 +16,7 @@ from flax import nnx
 from helpers import TEST_XLA_FLAGS, assert_adam_params_close, reference_training, run_trainer
 
 import shardkit as sk
-from shardkit.xla_flags import CPU_MEMORY_SCHEDULER
+from shardkit.runtime.xla_flags import CPU_MEMORY_SCHEDULER
 
 CFG = LMConfig(dim=64, mlp=256, layers=2)
 B, T = 16, 32

@@ -1,63 +1,18 @@
-"""The import graph follows docs/architecture.md: no module imports a layer above its own."""
+"""The import graph follows docs/architecture.md: the folders are layers, and no module imports a
+folder above its own or one its folder's ``__init__`` does not declare."""
 
 import ast
 import pathlib
+import re
 
 import pytest
 
 PACKAGE = pathlib.Path(__file__).parent.parent / "shardkit"
 
-# docs/architecture.md, "Layers".
-LAYERS = {
-    0: {
-        "_lazy",
-        "errors",
-        "error_sites",
-        "tensorboard",
-        "xla_flags",
-        "host_allocator",
-        "orbax_logs",
-        "flags",
-        "config",
-        "devices",
-        "mesh",
-        "rules",
-        "hlo",
-        "hardware",
-        "precision",
-        "data",
-        "distributed",
-        "launch",
-        "dirlock",
-        "stopping",
-        "progress",
-        "run_dir",
-        "estimate",
-        "tokenizer",
-        "packed",
-        "dropout",
-        "partitioned",
-        "hlo_uses",
-    },
-    1: {
-        "partition",
-        "boundaries",
-        "model",
-        "model_source",
-        "parallel",
-        "models",
-        "generate",
-        "state",
-        "losses",
-        "sharding",
-        "inputs",
-        "checksums",
-    },
-    2: {"report", "report_data", "extrapolate"},
-    3: {"steps", "accumulation", "train", "checkpoint", "checkpoint_checks", "pretrained"},
-    4: {"dryrun", "plan", "auto_layout", "run", "run_inputs", "saved_run", "run_log", "cli", "__init__"},
-}
-LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}
+# docs/architecture.md, "Layers": the package's folders, lowest first. A module imports only from
+# its own folder or a folder below it (at run time; the root's __init__ and _lazy import none).
+FOLDERS = ("core", "runtime", "io", "parallel", "models", "analysis", "training", "plan", "cli")
+ROOT_MODULES = {"__init__", "_lazy"}
 
 
 def top(module: str) -> str:
@@ -82,7 +37,7 @@ def runtime_imports(path: pathlib.Path) -> set[str]:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardkit"):
             found.add(top(node.module) if node.module != "shardkit" else None)
             if node.module == "shardkit":
-                found.update(alias.name for alias in node.names)
+                found.update(alias.name if alias.name in FOLDERS else "__init__" for alias in node.names)
         elif isinstance(node, ast.Import):
             found.update(top(a.name) for a in node.names if a.name.startswith("shardkit."))
     return {f for f in found if f}
@@ -96,21 +51,37 @@ def own_name(path: pathlib.Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
-def test_every_module_has_a_layer():
-    assert {own_name(p) for p in MODULES} <= set(LAYER_OF), {own_name(p) for p in MODULES} - set(LAYER_OF)
+def declared_imports(folder: str) -> set[str]:
+    """The folders a folder's ``__init__`` docstring says it may import (``May import: ...``)."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text())) or ""
+    line = next((line for line in doc.split("\n\n") if line.startswith("May import:")), None)
+    assert line is not None, f"shardkit/{folder}/__init__.py: its docstring must say what the folder may import"
+    return set(re.findall(r"``(\w+)``", line))
+
+
+def test_every_module_lives_in_a_folder():
+    assert {own_name(p) for p in MODULES} <= set(FOLDERS) | ROOT_MODULES, {own_name(p) for p in MODULES}
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_each_folder_declares_the_folders_below_it_that_it_may_import(folder):
+    below = set(FOLDERS[: FOLDERS.index(folder)])
+    assert declared_imports(folder) <= below, f"{folder} declares {declared_imports(folder) - below}, not below it"
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_no_module_imports_a_higher_layer(path):
-    mine = LAYER_OF[own_name(path)]
-    upward = {m: LAYER_OF[m] for m in runtime_imports(path) if LAYER_OF.get(m, -1) > mine}
-    assert not upward, f"{path.name} (layer {mine}) imports {upward}"
+def test_no_module_imports_outside_what_its_folder_declares(path):
+    mine = own_name(path)
+    if mine in ROOT_MODULES:
+        assert runtime_imports(path) <= {"_lazy"}, f"{path.name} must stay lazy: {runtime_imports(path)}"
+        return
+    allowed = declared_imports(mine) | {mine, "__init__", "_lazy"}
+    assert runtime_imports(path) <= allowed, f"{path.relative_to(PACKAGE)} imports {runtime_imports(path) - allowed}"
 
 
-def test_the_analysis_layer_does_not_import_the_training_layer():
-    text = (PACKAGE / "report.py").read_text()
-    assert "shardkit.train" not in text and "shardkit.checkpoint" not in text
-    assert not runtime_imports(PACKAGE / "report.py") & LAYERS[3]
+def test_the_analysis_folder_does_not_import_training():
+    for path in (PACKAGE / "analysis").glob("*.py"):
+        assert "training" not in runtime_imports(path), path
 
 
 def test_the_code_cites_no_file_outside_the_repository():

@@ -11,8 +11,8 @@ import subprocess
 import pytest
 from helpers import json_log_losses, run_cli, start_cli, wait_for_log_lines
 
-from shardkit.auto_layout import options_of
-from shardkit.config import TrainConfig
+from shardkit.core.config import TrainConfig
+from shardkit.plan.auto_layout import options_of
 
 # A device whose memory the tiny model's step fills on 4 devices but not on 8 (its compiled step
 # at batch 16 x seq 64, fp32: 5.5 MB under data=8; 9.0 MB under data=4, 5.8 MB with 2 microbatches):

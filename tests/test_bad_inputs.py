@@ -25,11 +25,12 @@ import pytest
 from jax._src import monitoring as jax_monitoring
 
 import shardkit as sk
-from shardkit import cli, distributed
-from shardkit.checkpoint import Checkpointer
-from shardkit.config import TrainConfig
-from shardkit.launch import launch
+from shardkit.cli import commands as cli
+from shardkit.core.config import TrainConfig
 from shardkit.models import GPTConfig
+from shardkit.runtime import distributed
+from shardkit.runtime.launch import launch
+from shardkit.training.checkpoint import Checkpointer
 
 TINY = GPTConfig.preset("tiny")
 

@@ -15,8 +15,8 @@ from flax import linen as nn
 from flax import nnx
 
 import shardkit as sk
-from shardkit.checkpoint import Checkpointer
-from shardkit.errors import InputError, ModelError
+from shardkit.core.errors import InputError, ModelError
+from shardkit.training.checkpoint import Checkpointer
 
 LR, STEPS, BATCH = 0.1, 3, 16
 LAYOUTS = ["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2"]

@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import TEST_XLA_FLAGS
 
-from shardkit.host_allocator import without_huge_pages
+from shardkit.runtime.host_allocator import without_huge_pages
 
 ROOT = pathlib.Path(__file__).parent.parent
 ENV = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}

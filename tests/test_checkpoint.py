@@ -23,8 +23,8 @@ from helpers import (
 )
 
 import shardkit as sk
-from shardkit.checkpoint import Checkpointer
 from shardkit.models import GPTConfig
+from shardkit.training.checkpoint import Checkpointer
 
 CFG = GPTConfig.preset("tiny", dropout=0.1)  # dropout on: restarts must replay the same bits
 DATA = sk.TextDataset.builtin()
@@ -78,7 +78,7 @@ def test_restore_on_another_device_count(uninterrupted):
     code = f"""
 import json, optax, shardkit as sk
 sk.simulate_devices(4)
-from shardkit.checkpoint import Checkpointer
+from shardkit.training.checkpoint import Checkpointer
 cfg = sk.models.GPTConfig.preset("tiny", dropout=0.1)
 trainer = sk.Trainer(cfg.model(), optax.adamw(3e-3), "fsdp=2,tensor=2")
 state, record = Checkpointer({str(directory)!r}).restore(trainer, step=5)
@@ -126,7 +126,7 @@ def test_training_goes_on_while_a_save_is_written(tmp_path):
 KILL_SCRIPT = """
 import sys, time, optax, shardkit as sk
 sk.simulate_devices(8)
-from shardkit.checkpoint import Checkpointer
+from shardkit.training.checkpoint import Checkpointer
 cfg = sk.models.GPTConfig.preset("tiny", dim=512, mlp_dim=2048, n_layers=4, n_heads=8, n_kv_heads=8)
 trainer = sk.Trainer(cfg.model(), optax.adamw(3e-3), "fsdp=8")
 data = sk.TextDataset.builtin()

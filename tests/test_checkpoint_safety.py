@@ -23,12 +23,12 @@ import pytest
 from helpers import assert_trees_close
 
 import shardkit as sk
-from shardkit.checkpoint import MANIFEST, CheckpointDamaged, Checkpointer
-from shardkit.checksums import array_checksums
-from shardkit.config import TrainConfig
-from shardkit.dirlock import LOCK_NAME
+from shardkit.cli.run import train
+from shardkit.core.config import TrainConfig
 from shardkit.models import GPTConfig
-from shardkit.run import train
+from shardkit.runtime.dirlock import LOCK_NAME
+from shardkit.training.checkpoint import MANIFEST, CheckpointDamaged, Checkpointer
+from shardkit.training.checksums import array_checksums
 
 CFG = GPTConfig.preset("tiny")
 DATA = sk.TextDataset.builtin()
@@ -249,7 +249,7 @@ def test_leftover_temporary_saves_are_removed_by_the_next_run(tmp_path):
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from shardkit.dirlock import DirectoryLock
+    from shardkit.runtime.dirlock import DirectoryLock
     import pathlib
     DirectoryLock(pathlib.Path(sys.argv[1])).acquire()
     print("locked", flush=True)
@@ -416,7 +416,7 @@ def test_a_run_that_ends_in_an_error_leaves_no_lock(tmp_path):
     code = textwrap.dedent(
         f"""
         import pathlib
-        from shardkit.dirlock import DirectoryLock
+        from shardkit.runtime.dirlock import DirectoryLock
         DirectoryLock(pathlib.Path({str(tmp_path)!r})).acquire()
         raise RuntimeError("the run failed")
         """
@@ -431,7 +431,7 @@ def test_the_abandoned_writes_of_a_failed_save_are_not_logged(caplog):
     # time that depends on the collector. Only those are dropped.
     import logging
 
-    import shardkit.checkpoint  # noqa: F401 - installs the filter
+    import shardkit.training.checkpoint  # noqa: F401 - installs the filter
 
     asyncio_log = logging.getLogger("asyncio")
     ours = "future: <Future finished exception=ValueError('Error writing \"/r/3.orbax-checkpoint-tmp/state/d/x\"')>"

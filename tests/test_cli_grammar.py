@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from shardkit.config import TrainConfig
+from shardkit.core.config import TrainConfig
 
 SUBCOMMANDS = ("train", "dryrun", "inspect", "plan", "launch")
 
 
 def test_building_the_parser_starts_no_jax():
     code = (
-        "import sys; from shardkit.cli import build_parser; build_parser(); "
+        "import sys; from shardkit.cli.commands import build_parser; build_parser(); "
         "print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -45,7 +45,7 @@ def test_the_training_recipe_is_set_by_flags():
     import numpy as np
     import optax
 
-    from shardkit.run import OPTIMIZERS, _schedule
+    from shardkit.cli.run import OPTIMIZERS, _schedule
 
     cosine = _schedule(TrainConfig(lr=1.0, warmup=10, steps=100))
     constant = _schedule(TrainConfig(lr=1.0, warmup=10, steps=100, lr_schedule="constant"))
@@ -69,7 +69,7 @@ def test_the_training_recipe_is_set_by_flags():
     ],
 )
 def test_a_misspelt_flag_or_choice_gets_a_suggestion(argv, hint, capsys):
-    from shardkit.cli import build_parser
+    from shardkit.cli.commands import build_parser
 
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(argv)
@@ -77,7 +77,7 @@ def test_a_misspelt_flag_or_choice_gets_a_suggestion(argv, hint, capsys):
 
 
 def test_dryrun_says_whether_the_plan_fits_the_hardware():
-    from shardkit.dryrun import memory_verdict
+    from shardkit.plan.dryrun import memory_verdict
 
     over = memory_verdict(132e9, "h100")
     assert not over["fits"] and "does NOT fit one h100 (80.0 GB): 132.0 GB per device, 52.0 GB over" in over["text"]
@@ -96,7 +96,7 @@ def test_dryrun_says_whether_the_plan_fits_the_hardware():
 def test_shared_flags_mean_the_same_everywhere():
     """One name, one help, one default per flag across subcommands; the planner's deliberate
     differences are listed here with their reason."""
-    from shardkit.cli import build_parser
+    from shardkit.cli.commands import build_parser
 
     parser = build_parser()
     subparsers = next(a for a in parser._actions if a.dest == "command").choices
@@ -134,7 +134,7 @@ def test_help_shows_defaults_and_an_example(command):
 def test_a_switch_that_turns_something_off_shows_no_true_default():
     """``--unrolled`` unrolls the layers, which are scanned unless it is given: its help must not
     say "(default: True)" (the field's value, not the flag's)."""
-    from shardkit.cli import build_parser
+    from shardkit.cli.commands import build_parser
 
     help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["dryrun"].format_help().split())
     unrolled = help_text[help_text.index("--unrolled") :][:120]
@@ -154,8 +154,8 @@ def test_dryrun_inspect_and_plan_all_answer_in_json():
 
 def test_a_config_file_and_overrides_sit_under_the_flags(tmp_path):
     """defaults < --config FILE < key=value < --flags, for every kind of field."""
-    from shardkit.cli import parse
-    from shardkit.flags import config_from
+    from shardkit.cli.commands import parse
+    from shardkit.core.flags import config_from
 
     run = tmp_path / "run.toml"
     run.write_text(
@@ -177,9 +177,9 @@ def test_a_config_file_and_overrides_sit_under_the_flags(tmp_path):
 
 def test_every_config_rebuilds_from_its_generated_flags():
     """The argv generated from a config parses back to the same config (the subprocess path)."""
-    from shardkit.cli import build_parser
-    from shardkit.config import DryRunSettings, PlanOptions
-    from shardkit.flags import add_flags, config_from, to_argv
+    from shardkit.cli.commands import build_parser
+    from shardkit.core.config import DryRunSettings, PlanOptions
+    from shardkit.core.flags import add_flags, config_from, to_argv
 
     train = TrainConfig(model="tiny", lr=0.01, allow_change=("lr", "steps"), run_dir="r", sequence_parallel=True)
     assert config_from(TrainConfig, build_parser().parse_args(["train", *to_argv(train)])) == train

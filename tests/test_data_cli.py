@@ -11,7 +11,7 @@ import pytest
 from helpers import TEST_XLA_FLAGS, run_cli
 
 import shardkit as sk
-from shardkit.progress import Progress
+from shardkit.cli.progress import Progress
 
 
 def test_builtin_corpus_is_real_text():

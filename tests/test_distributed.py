@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from helpers import TEST_XLA_FLAGS
 
-from shardkit import distributed
-from shardkit.errors import ShardkitError
+from shardkit.core.errors import ShardkitError
+from shardkit.runtime import distributed
 
 WORKER = str(pathlib.Path(__file__).parent / "mp_worker.py")
 HYBRID = "data=2,fsdp=2,tensor=2,across_hosts=data"
@@ -184,10 +184,11 @@ def test_detect_from_environments():
 
 
 def test_unreachable_coordinator_gives_a_clear_error_in_bounded_time():
-    from shardkit.launch import free_port
+    from shardkit.runtime.launch import free_port
 
     code = (
-        "import shardkit as sk\nfrom shardkit import distributed\ntry:\n    distributed.initialize(timeout_s=3)\n"
+        "import shardkit as sk\nfrom shardkit.runtime import distributed\n"
+        "try:\n    distributed.initialize(timeout_s=3)\n"
         "except sk.ShardkitError as e:\n    print('ERR', e)\n"
     )
     env = {
@@ -256,6 +257,6 @@ def test_shardkit_train_under_two_processes_behaves_as_one_program(tmp_path):
     assert any(line.startswith("[rank 0] sample:") for line in ours)
     assert not [line for line in ours if line.startswith("[rank 1]") and line.strip() != "[rank 1]"]
     assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
-    from shardkit.checkpoint import Checkpointer
+    from shardkit.training.checkpoint import Checkpointer
 
     assert Checkpointer(ckpt).steps() == [3, 6]

@@ -5,8 +5,8 @@ import importlib
 import inspect
 import pathlib
 
-from shardkit import errors
-from shardkit.error_sites import NOT_BAD_INPUT, catalogue, raise_sites, refinements
+from shardkit.cli.error_sites import NOT_BAD_INPUT, catalogue, raise_sites, refinements
+from shardkit.core import errors
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -31,14 +31,14 @@ def test_every_raise_site_raises_a_member_of_the_family():
         raised = _raised_class(site)
         if not (issubclass(raised, errors.ShardkitError) and raised is not errors.ShardkitError):
             wrong.append(f"{site.module}.{site.function}:{site.line} raises {site.error}")
-    assert not wrong, "use a subclass from shardkit.errors:\n" + "\n".join(wrong)
+    assert not wrong, "use a subclass from shardkit.core.errors:\n" + "\n".join(wrong)
 
 
 def test_the_exceptions_that_are_not_bad_input_are_few_and_explained():
     others = {s.error for s in raise_sites()} & set(NOT_BAD_INPUT)
     assert others == set(NOT_BAD_INPUT), f"no longer raised; drop from NOT_BAD_INPUT: {set(NOT_BAD_INPUT) - others}"
     plain_value_errors = [s for s in raise_sites() if s.error == "ValueError"]
-    assert [(s.module, s.function) for s in plain_value_errors] == [("flags", "_parse_bool")]
+    assert [(s.module, s.function) for s in plain_value_errors] == [("core.flags", "_parse_bool")]
 
 
 def test_every_member_of_the_family_is_raised_somewhere_and_documented():
@@ -64,4 +64,4 @@ def test_a_family_error_is_still_a_shardkit_error_and_a_value_error():
 
 def test_docs_errors_md_is_generated_and_current():
     stored = (ROOT / "docs" / "errors.md").read_text()
-    assert stored == catalogue(), "regenerate: python -m shardkit.error_sites > docs/errors.md"
+    assert stored == catalogue(), "regenerate: python -m shardkit.cli.error_sites > docs/errors.md"

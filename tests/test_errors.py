@@ -11,7 +11,7 @@ from helpers import run_python
 from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
-from shardkit.rules import Rules, default_rules, resolve
+from shardkit.core.rules import Rules, default_rules, resolve
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2, "sequence": 1, "stage": 1, "expert": 1}
 TINY = sk.models.GPTConfig.preset("tiny")
@@ -151,7 +151,7 @@ def test_model_config_errors():
 
 
 def test_run_config_errors(tmp_path):
-    from shardkit.run import TrainConfig, train
+    from shardkit.cli.run import TrainConfig, train
 
     with pytest.raises(sk.ShardkitError, match="--steps must be at least 1"):
         TrainConfig(steps=0)
@@ -225,7 +225,7 @@ def test_training_settings_errors():
         sk.Trainer(gpt(), optax.sgd(0.1), "data=8", precision="fp8")
     with pytest.raises(sk.ShardkitError, match="microbatches must be a positive integer"):
         sk.Trainer(gpt(), optax.sgd(0.1), "data=8", microbatches=0)
-    from shardkit.run import TrainConfig
+    from shardkit.cli.run import TrainConfig
 
     with pytest.raises(sk.ShardkitError, match="--lr must be a finite positive number"):
         TrainConfig(lr=0.0)

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 
 import shardkit as sk
-from shardkit import cli
+from shardkit.cli import commands as cli
 from shardkit.models import GPTConfig
 
 TINY = GPTConfig.preset("tiny", dropout=0.1)
@@ -34,7 +34,8 @@ def test_the_held_out_loss_is_one_devices_and_the_steps_own_without_dropout():
 
 
 def test_the_compiled_evaluation_holds_no_optimizer_state():
-    trainer = sk.Trainer(GPTConfig.preset("tiny").model(), optax.adamw(1e-3), "fsdp=8")
+    # fsdp_min_size=0: every parameter split eight ways, norm scales too, so the bytes are exact.
+    trainer = sk.Trainer(GPTConfig.preset("tiny").model(), optax.adamw(1e-3), "fsdp=8", fsdp_min_size=0)
     trainer.evaluate(trainer.init(0).params, trainer.shard_batch(BATCH))
     evaluate = next(c for k, c in trainer._compiled.items() if k[0] == "evaluate")
     params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract_params)) / 8
@@ -81,9 +82,9 @@ def test_shardkit_eval_of_a_saved_run_equals_the_runs_own_last_evaluation(tmp_pa
 
 
 def test_tensorboard_gets_the_runs_scalars(tmp_path):
-    from shardkit.config import TrainConfig
-    from shardkit.run import OPTIMIZERS, _schedule  # noqa: F401  (the schedule the run follows)
-    from shardkit.tensorboard import read_scalars
+    from shardkit.cli.run import OPTIMIZERS, _schedule  # noqa: F401  (the schedule the run follows)
+    from shardkit.core.config import TrainConfig
+    from shardkit.io.tensorboard import read_scalars
 
     board = tmp_path / "tb"
     argv = ["train", "--model", "tiny", "--steps", "4", "--batch", "8", "--seq", "32", "--sample-tokens", "0"]

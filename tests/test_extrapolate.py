@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from shardkit import extrapolate as ex
-from shardkit.errors import LayoutError
-from shardkit.mesh import Layout
+from shardkit.analysis import extrapolate as ex
+from shardkit.core.errors import LayoutError
+from shardkit.core.mesh import Layout
 
-dr = importlib.import_module("shardkit.dryrun")  # the module, not the function of the same name
+dr = importlib.import_module("shardkit.plan.dryrun")  # the module, not the function of the same name
 
 
 def compare(layout: str, model="tiny"):

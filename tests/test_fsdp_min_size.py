@@ -11,7 +11,7 @@ from byo_models import LinenLM, LMConfig
 from helpers import assert_adam_params_close, reference_training, run_trainer
 
 import shardkit as sk
-from shardkit.errors import InputError
+from shardkit.core.errors import InputError
 
 TINY = sk.models.GPTConfig.preset("tiny")
 B, T = 16, 32

@@ -7,8 +7,8 @@ import optax
 import pytest
 
 import shardkit as sk
-from shardkit import hlo
-from shardkit.generate import _continue, _sampling_placement, generate
+from shardkit.analysis import hlo
+from shardkit.models.generate import _continue, _sampling_placement, generate
 
 WINDOW = 8
 

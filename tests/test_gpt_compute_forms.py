@@ -11,8 +11,8 @@ import optax
 import pytest
 
 import shardkit as sk
-from shardkit import hlo
-from shardkit.errors import ModelError
+from shardkit.analysis import hlo
+from shardkit.core.errors import ModelError
 from shardkit.models import GPTConfig
 from shardkit.models.gpt import rows_matmul, token_matmul, unsplit
 

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import shardkit as sk
-from shardkit.errors import CheckpointError, InputError, ModelError
+from shardkit.core.errors import CheckpointError, InputError, ModelError
 from shardkit.models import hf
 
 V, D, L, H, F = 96, 32, 2, 4, 48
@@ -275,10 +275,10 @@ def test_export_never_overwrites_and_init_checks_the_tree(tmp_path):
 
 
 def test_cli_exports_a_run_and_trains_from_the_export(tmp_path):
-    from shardkit.cli import main
-    from shardkit.config import TrainConfig
-    from shardkit.data import TextDataset
-    from shardkit.run import train
+    from shardkit.cli.commands import main
+    from shardkit.cli.run import train
+    from shardkit.core.config import TrainConfig
+    from shardkit.io.data import TextDataset
 
     small = dict(batch=8, seq=32, layout="fsdp=8", sample_tokens=0)
     first = train(

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import shardkit as sk
-from shardkit.errors import CheckpointError, ModelError
+from shardkit.core.errors import CheckpointError, ModelError
 from shardkit.models import hf, hf_config
 
 REFERENCE = pathlib.Path(__file__).parent / "fixtures" / "hf_reference"
@@ -259,10 +259,10 @@ def test_the_fixtures_are_what_transformers_wrote():
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cli_trains_from_every_family_and_exports_what_the_import_reads(tmp_path, family):
-    from shardkit.cli import main
-    from shardkit.config import TrainConfig
-    from shardkit.data import TextDataset
-    from shardkit.run import train
+    from shardkit.cli.commands import main
+    from shardkit.cli.run import train
+    from shardkit.core.config import TrainConfig
+    from shardkit.io.data import TextDataset
 
     small = dict(batch=8, seq=32, layout="fsdp=8", sample_tokens=0, init_from=str(REFERENCE / family))
     cfg = TrainConfig(steps=1, lr=1e-9, warmup=0, checkpoint_dir=str(tmp_path / "run"), checkpoint_every=1, **small)

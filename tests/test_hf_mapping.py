@@ -15,7 +15,7 @@ from byo_models import GemmaLM, LMConfig
 from safetensors.numpy import load_file, save_file
 
 import shardkit as sk
-from shardkit.errors import CheckpointError, ModelError
+from shardkit.core.errors import CheckpointError, ModelError
 from shardkit.models.hf_mapping import Mapping, concat, stack, tensor
 
 REFERENCE = pathlib.Path(__file__).parent / "fixtures" / "hf_reference" / "llama3"  # written by transformers

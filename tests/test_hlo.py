@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import shardkit as sk
-from shardkit import hlo
+from shardkit.analysis import hlo
 from shardkit.models import GPT, GPTConfig
 
 CFG = GPTConfig.preset("tiny")
@@ -175,7 +175,7 @@ def test_the_overlap_flags_are_known_to_this_xla_and_keep_the_users_values(tmp_p
     import subprocess
     import sys
 
-    from shardkit.xla_flags import OVERLAP_FLAGS, use_overlap_flags, with_overlap_flags
+    from shardkit.runtime.xla_flags import OVERLAP_FLAGS, use_overlap_flags, with_overlap_flags
 
     mine = with_overlap_flags(
         "--xla_gpu_enable_latency_hiding_scheduler=false --xla_force_host_platform_device_count=8"

@@ -1,4 +1,4 @@
-"""Huge pages for CPU steps' host buffers (shardkit.host_allocator), counted in page faults.
+"""Huge pages for CPU steps' host buffers (shardkit.runtime.host_allocator), counted in page faults.
 
 glibc reads its tunables when a process starts, so each case that computes runs in a fresh one.
 """
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from shardkit.errors import InputError
-from shardkit.host_allocator import TUNABLE, huge_pages_on_request, jax_is_cpu_only, with_huge_pages
+from shardkit.core.errors import InputError
+from shardkit.runtime.host_allocator import TUNABLE, huge_pages_on_request, jax_is_cpu_only, with_huge_pages
 
 # 128 MiB results (32,768 pages of 4 KB): over glibc's largest mmap threshold (32 MiB), so each
 # one is mapped in fresh and unmapped when freed.
@@ -53,7 +53,7 @@ def test_huge_pages_spare_nearly_every_page_fault_of_a_fresh_buffer():
 RESTARTS = """
 import os
 print("tunables:" + os.environ.get("GLIBC_TUNABLES", ""), flush=True)
-from shardkit.host_allocator import restart_with_huge_pages
+from shardkit.runtime.host_allocator import restart_with_huge_pages
 restart_with_huge_pages()
 print("done", flush=True)
 """

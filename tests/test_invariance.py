@@ -7,6 +7,7 @@ import pytest
 from helpers import CORE_LAYOUTS, assert_adam_params_close, assert_trees_close, gpt_reference, run_trainer
 
 import shardkit as sk
+from shardkit.core.partition import path_str
 from shardkit.models import GPT, GPTConfig
 
 CFG = GPTConfig.preset("tiny")
@@ -53,7 +54,7 @@ def test_parameters_and_moments_are_sharded_as_resolved(layout):
     table = {row["path"]: row for row in trainer.sharding_table()}
     flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
     for path, arr in flat:
-        key = sk.partition.path_str(path)
+        key = path_str(path)
         shard_shapes = {s.data.shape for s in arr.addressable_shards}
         assert shard_shapes == {table[key]["shard"]}, key
     # Independent spot checks of the resolution in scaling-book terms.

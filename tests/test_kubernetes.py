@@ -12,8 +12,8 @@ import sys
 import pytest
 import yaml
 
-from shardkit import distributed
-from shardkit.errors import ClusterError
+from shardkit.core.errors import ClusterError
+from shardkit.runtime import distributed
 
 ROOT = pathlib.Path(__file__).parent.parent
 WORKER = str(ROOT / "tests" / "launch_worker.py")

@@ -210,7 +210,7 @@ def test_interleaved_pieces_of_gloos_message_are_dropped_and_the_rest_kept():
     import collections
     import io
 
-    from shardkit.launch import _pump
+    from shardkit.runtime.launch import _pump
 
     # Two collective groups connecting at once: Gloo's unbuffered pieces of two messages interleave.
     raw = (

@@ -6,7 +6,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
-from shardkit.rules import Rules, default_rules, resolve
+from shardkit.core.rules import Rules, default_rules, resolve
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2, "sequence": 1, "stage": 1, "expert": 1}
 

@@ -13,7 +13,8 @@ from flax import linen as nn
 from flax import nnx
 
 import shardkit as sk
-from shardkit.errors import ModelError
+from shardkit.core.errors import ModelError
+from shardkit.models.model import stream_values
 
 RATE, LR, STEPS = 0.3, 0.05, 3
 
@@ -105,7 +106,7 @@ def test_each_stored_stream_draws_its_own_bits_from_the_call_key():
     np.testing.assert_array_equal(first, model.apply(params, x, jax.random.key(1)))  # not stateful
     abstract = nnx.eval_shape(lambda: TutorialMLP(nnx.Rngs(0)))
     streams = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(abstract, nnx.RngState)))[0]
-    values = sk.model.stream_values(streams, jax.random.key(1))
+    values = stream_values(streams, jax.random.key(1))
     keys = [jax.random.key_data(values[f"dropout{i}"]["rngs"]["key"]) for i in (1, 2)]
     assert not np.array_equal(keys[0], keys[1])
 

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from helpers import TEST_XLA_FLAGS
 
-from shardkit.config import TrainConfig
-from shardkit.data import builtin_corpus
-from shardkit.errors import InputError
-from shardkit.packed import PackedDataset
-from shardkit.run import train
-from shardkit.tokenizer import train_bpe
+from shardkit.cli.run import train
+from shardkit.core.config import TrainConfig
+from shardkit.core.errors import InputError
+from shardkit.io.data import builtin_corpus
+from shardkit.io.packed import PackedDataset
+from shardkit.io.tokenizer import train_bpe
 
 TEXT = builtin_corpus()[:120_000].decode("utf-8", errors="replace")
 
@@ -83,7 +83,7 @@ def test_nanogpt_bin_files_are_uint16_memory_maps(tmp_path):
 
 def test_plain_text_goes_through_grain_when_asked(tmp_path):
     """--packing packed: the built-in corpus's bytes, cut into shuffled non-overlapping rows."""
-    from shardkit.run_inputs import dataset_of
+    from shardkit.cli.run_inputs import dataset_of
 
     ds = dataset_of(TrainConfig(packing="packed"))
     assert isinstance(ds, PackedDataset) and ds.vocab == 256

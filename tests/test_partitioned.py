@@ -12,8 +12,8 @@ import pytest
 from byo_models import LinenLM, LMConfig
 
 import shardkit as sk
-from shardkit import hlo
-from shardkit.report import collective_stats
+from shardkit.analysis import hlo
+from shardkit.analysis.report import collective_stats
 
 SHAPE = {"tokens": jax.ShapeDtypeStruct((16, 33), jnp.int32)}
 
@@ -61,7 +61,7 @@ def test_fp32_reports_are_read_from_the_compiled_program_alone():
 
 
 def test_partitioned_module_sizes_override_only_smaller_dtypes():
-    from shardkit import partitioned
+    from shardkit.analysis import partitioned
 
     compiled = (
         "%ar = f32[64,32]{1,0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add\n"

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 import shardkit as sk
-from shardkit.estimate import axis_links
-from shardkit.estimate import predict as estimate
-from shardkit.hardware import PROFILES, Hardware, get_hardware
+from shardkit.analysis.estimate import axis_links
+from shardkit.analysis.estimate import predict as estimate
+from shardkit.analysis.hardware import PROFILES, Hardware, get_hardware
 from shardkit.plan import Plan, PlanOptions, candidate_layouts, format_plans, plan
 
 H100 = PROFILES["h100"]
@@ -186,7 +186,7 @@ def test_plan_cli_json(tmp_path):
 
 
 def test_hardware_profiles_and_files(tmp_path):
-    from shardkit.hardware import profile_of_device
+    from shardkit.analysis.hardware import profile_of_device
 
     assert get_hardware("h200").memory_bytes == 141e9
     # The profile of a device by JAX's device_kind (the main job's MFU); none for a CPU.
@@ -224,7 +224,7 @@ def test_a_mixture_of_experts_is_planned_over_the_expert_axis(cache):
 def test_the_analytic_estimate_tracks_the_compiled_step():
     # The planner prunes by this estimate, so it must be within a small factor of what the
     # compiler produces: memory per device and bytes per mesh axis, on layouts of each kind.
-    from shardkit.estimate import analytic
+    from shardkit.analysis.estimate import analytic
     from shardkit.plan import ModelFacts
 
     sizes = ModelFacts.of_preset("mini").sizes
@@ -309,7 +309,7 @@ def _plan_workers(marker: str) -> list[int]:
 AS_IN_A_TERMINAL = (
     "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
     "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); sys.argv[0] = 'shardkit'; "
-    "runpy.run_module('shardkit.cli', run_name='__main__')"
+    "runpy.run_module('shardkit.cli.commands', run_name='__main__')"
 )
 
 
@@ -355,8 +355,8 @@ def test_the_planner_shows_k_of_n_and_ctrl_c_prints_the_partial_table(tmp_path):
 def test_the_state_estimate_reads_its_bytes_from_the_optimizer_and_the_precision():
     import optax
 
-    from shardkit.estimate import ModelSizes, analytic, optimizer_bytes_per_param
-    from shardkit.hardware import PROFILES
+    from shardkit.analysis.estimate import ModelSizes, analytic, optimizer_bytes_per_param
+    from shardkit.analysis.hardware import PROFILES
 
     assert optimizer_bytes_per_param(optax.adamw(1e-3)) == 8.0  # two float32 moments
     assert optimizer_bytes_per_param(optax.sgd(0.1)) == 0.0
@@ -415,7 +415,7 @@ def test_the_planner_plans_past_the_compilers_device_limit(tmp_path):
 
 def test_a_factory_with_no_importable_name_past_the_device_limit_is_refused_before_any_compile(tmp_path):
     """Past 2048 devices the compiles run in subprocesses that import the model by name: a lambda has none."""
-    from shardkit.errors import ModelError
+    from shardkit.core.errors import ModelError
     from shardkit.models.gpt import GPTConfig
 
     model = GPTConfig.preset("tiny").model()

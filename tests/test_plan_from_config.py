@@ -10,7 +10,7 @@ import pytest
 import safetensors.numpy
 
 import shardkit as sk
-from shardkit.config import SHIPPED_CONFIGS
+from shardkit.core.config import SHIPPED_CONFIGS
 from shardkit.models import hf, published
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf_reference"

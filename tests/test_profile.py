@@ -6,8 +6,8 @@ import json
 import pytest
 
 import shardkit as sk
-from shardkit import cli
-from shardkit.config import TrainConfig
+from shardkit.cli import commands as cli
+from shardkit.core.config import TrainConfig
 
 
 def test_a_trace_of_the_chosen_steps_is_written_and_holds_the_train_step(tmp_path, capsys):

@@ -12,9 +12,9 @@ import pytest
 from helpers import TEST_XLA_FLAGS
 
 import shardkit as sk
-from shardkit import hlo
+from shardkit.analysis import hlo
+from shardkit.analysis.report import Report, sharding_warnings
 from shardkit.models import GPTConfig
-from shardkit.report import Report, sharding_warnings
 
 CFG = GPTConfig.preset("tiny")
 B, T = 8, 32

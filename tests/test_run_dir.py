@@ -7,9 +7,9 @@ import json
 import pytest
 
 import shardkit as sk
-from shardkit.checkpoint import Checkpointer
-from shardkit.config import TrainConfig
-from shardkit.run import train
+from shardkit.cli.run import train
+from shardkit.core.config import TrainConfig
+from shardkit.training.checkpoint import Checkpointer
 
 
 def run(tmp_path, **kw):

@@ -9,9 +9,9 @@ from flax import nnx
 from helpers import CORE_LAYOUTS, assert_adam_params_close, assert_trees_close, run_trainer
 
 import shardkit as sk
-from shardkit import hlo
+from shardkit.analysis import hlo
 from shardkit.models import GPT, GPTConfig
-from shardkit.train import NonFiniteError
+from shardkit.training.train import NonFiniteError
 
 DATA = sk.TextDataset.builtin()
 BATCHES = [DATA.batch(step, batch_size=16, seq_len=32) for step in range(8)]

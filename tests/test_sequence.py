@@ -10,7 +10,7 @@ import pytest
 from helpers import gpt_reference, run_cli, run_trainer
 
 import shardkit as sk
-from shardkit import hlo
+from shardkit.analysis import hlo
 from shardkit.models import GPTConfig
 from shardkit.parallel import ring_attention
 

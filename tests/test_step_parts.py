@@ -11,11 +11,11 @@ import pytest
 from helpers import assert_trees_close
 
 import shardkit as sk
-from shardkit.accumulation import accumulated_grads
-from shardkit.precision import as_precision
-from shardkit.rules import default_rules
-from shardkit.sharding import ShardingPlan, plan_sharding
-from shardkit.steps import make_step, plain_grads
+from shardkit.core.precision import as_precision
+from shardkit.core.rules import default_rules
+from shardkit.core.sharding import ShardingPlan, plan_sharding
+from shardkit.training.accumulation import accumulated_grads
+from shardkit.training.steps import make_step, plain_grads
 
 CFG = sk.models.GPTConfig.preset("tiny")
 TOKENS = sk.TextDataset.builtin().batch(0, batch_size=16, seq_len=32)["tokens"]

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from shardkit.cli import main
-from shardkit.config import TrainConfig
-from shardkit.data import TextDataset, builtin_corpus
-from shardkit.errors import InputError, ModelError
-from shardkit.run import train
-from shardkit.tokenizer import FILE, load, train_bpe
+from shardkit.cli.commands import main
+from shardkit.cli.run import train
+from shardkit.core.config import TrainConfig
+from shardkit.core.errors import InputError, ModelError
+from shardkit.io.data import TextDataset, builtin_corpus
+from shardkit.io.tokenizer import FILE, load, train_bpe
 
 TEXT = builtin_corpus()[:200_000]
 SMALL = dict(batch=8, seq=32, layout="fsdp=8", steps=2, sample_tokens=0)

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import shardkit as sk
-from shardkit import hlo
+from shardkit.analysis import hlo
 from shardkit.models import GPTConfig
 
 TINY = GPTConfig.preset("tiny")

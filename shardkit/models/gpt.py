@@ -24,14 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardkit.dropout import dropout
-from shardkit.errors import ModelError, short_repr
-from shardkit.model import Model, from_nnx
+from shardkit.core.errors import ModelError, short_repr
+from shardkit.core.partition import constrain, constrain_to, current_rules, free_mesh_shape, logical, without_axes
+from shardkit.core.rules import resolve
+from shardkit.models.dropout import dropout
+from shardkit.models.model import Model, from_nnx
 from shardkit.models.rope import RopeScaling, angles, inverse_frequencies
 from shardkit.parallel.experts import MoE
 from shardkit.parallel.ring_attention import ring_attention
-from shardkit.partition import constrain, constrain_to, current_rules, free_mesh_shape, logical, without_axes
-from shardkit.rules import resolve
 
 _PRESETS: dict[str, dict[str, Any]] = {
     # vocab 256: byte-level tokens of the built-in corpus.

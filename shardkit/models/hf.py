@@ -48,7 +48,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from shardkit.errors import CheckpointError
+from shardkit.core.errors import CheckpointError
 from shardkit.models.gpt import GPTConfig
 from shardkit.models.hf_config import FAMILIES, gpt_config, hf_config
 from shardkit.models.hf_views import path_key, views

@@ -33,7 +33,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from shardkit.errors import ModelError, short_repr
+from shardkit.core.errors import ModelError, short_repr
 from shardkit.models.gpt import GPTConfig
 from shardkit.models.rope import ROPE_TYPES, RopeScaling
 
@@ -316,7 +316,7 @@ def gpt_config(hf: Mapping[str, Any], **overrides: Any) -> GPTConfig:
         ``dropout`` ...).
 
     Returns:
-      The GPTConfig. Raises :class:`~shardkit.errors.ModelError` naming the key for anything it
+      The GPTConfig. Raises :class:`~shardkit.core.errors.ModelError` naming the key for anything it
       cannot compute exactly.
 
     Example:
@@ -482,7 +482,7 @@ def hf_config(cfg: GPTConfig, base: Mapping[str, Any] | None = None, dtype: str 
       dtype: the dtype of the tensors written (default ``cfg.param_dtype``).
 
     Returns:
-      The config. Raises :class:`~shardkit.errors.ModelError` where no family expresses ``cfg``
+      The config. Raises :class:`~shardkit.core.errors.ModelError` where no family expresses ``cfg``
       (a mixture of experts that drops tokens, say).
     """
     dtype = dtype or cfg.param_dtype

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from shardkit.errors import CheckpointError, ModelError
+from shardkit.core.errors import CheckpointError, ModelError
 from shardkit.models import hf
 from shardkit.models.hf_views import Concat, Source, Stack, path_key
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardkit.partition import constrain, logical
+from shardkit.core.partition import constrain, logical
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from shardkit.errors import CheckpointError
+from shardkit.core.errors import CheckpointError
 
 ROOT = pathlib.Path(__file__).parent / "published"
 CONFIG = "config.json"

@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from shardkit.errors import ModelError
+from shardkit.core.errors import ModelError
 
 ROPE_TYPES = ("default", "linear", "llama3")
 

@@ -1,4 +1,8 @@
-"""What GSPMD annotations alone cannot express: explicit communication inside the step."""
+"""What GSPMD annotations alone cannot express: explicit communication inside the step (experts'
+all-to-alls, the pipeline and its schedules, ring attention).
+
+May import: ``core``, ``runtime``.
+"""
 
 from shardkit._lazy import install
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from shardkit.partition import current_rules, logical
-from shardkit.rules import resolve
+from shardkit.core.partition import current_rules, logical
+from shardkit.core.rules import resolve
 
 
 def route(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -18,7 +18,7 @@ one microbatch's intermediate activations; gradients accumulate in float32 as th
 
 Reducing once (``row_axes``): GSPMD reduces each backward slot's gradients over the devices that
 split the rows, ``m`` times a step. With ``row_axes`` the backward slot is vmapped over those
-devices' blocks of rows (``spmd_axis_name=row_axes``, as ``shardkit.accumulation`` does for a
+devices' blocks of rows (``spmd_axis_name=row_axes``, as ``shardkit.training.accumulation`` does for a
 plain step), so its gradients come out per device, ``(n, *param)``, and are summed unreduced; the
 caller reduces them once, after the schedule.
 
@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit.errors import PipelineError
+from shardkit.core.errors import PipelineError
+from shardkit.core.partition import axes_taken
 from shardkit.parallel.schedule import Phase, Schedule
-from shardkit.partition import axes_taken
 
 # (layer_params, shared_params, x_in, microbatch, virtual stage, index) -> (x_out, loss, count)
 StageLoss = Callable[[Any, Any, jax.Array, Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]

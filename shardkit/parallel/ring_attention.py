@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from shardkit.errors import LayoutError
-from shardkit.rules import Rules, entry_axes, resolve
+from shardkit.core.errors import LayoutError
+from shardkit.core.rules import Rules, entry_axes, resolve
 
 
 def _ring_body(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, size: int) -> jax.Array:

@@ -43,8 +43,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from shardkit.config import SCHEDULES
-from shardkit.errors import PipelineError
+from shardkit.core.config import SCHEDULES
+from shardkit.core.errors import PipelineError
 
 IDLE = -1
 

@@ -5,7 +5,7 @@ For a model, a global batch and a sequence length on N devices, the planner
 1. enumerates the factorisations of N over ``data x fsdp x tensor x sequence x stage x expert``
    (tensor and sequence only inside a node and where heads and sequence divide; stages only
    where the layers divide; experts only for a mixture of experts);
-2. prices every one of them *analytically* (:func:`shardkit.estimate.analytic`: FLOPs, the bytes
+2. prices every one of them *analytically* (:func:`shardkit.analysis.estimate.analytic`: FLOPs, the bytes
    each axis moves, state and activation memory), for each remat policy and microbatch count,
    and drops those whose estimated memory exceeds the budget at every setting;
 3. compiles only the fastest few by that estimate (``PlanOptions.compile_top``), the fastest of
@@ -22,10 +22,13 @@ Layouts that were not compiled stay in the result with their estimate, so a user
 pruned and why.
 
 Modules: :mod:`~shardkit.plan.options` (the question's options and the answer's rows),
-:mod:`~shardkit.plan.search` (layouts a model allows, priced by :mod:`shardkit.estimate`),
+:mod:`~shardkit.plan.search` (layouts a model allows, priced by :mod:`shardkit.analysis.estimate`),
 :mod:`~shardkit.plan.cache` (compiled dry runs on disk), :mod:`~shardkit.plan.workers` (compiles
 here or in worker processes), :mod:`~shardkit.plan.planner` (``plan``), :mod:`~shardkit.plan.table`
-(the printed table and ``shardkit plan``).
+(the printed table and ``shardkit plan``); :mod:`~shardkit.plan.dryrun` (one layout compiled on
+simulated devices, ``shardkit dryrun``) and :mod:`~shardkit.plan.auto_layout` (``--layout auto``).
+
+May import: ``core``, ``runtime``, ``io``, ``parallel``, ``models``, ``analysis``, ``training``.
 """
 
 from shardkit.plan.options import Plan, PlanInterrupted, PlanOptions, PlanResult

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from shardkit.dryrun import DryRunConfig
+from shardkit.plan.dryrun import DryRunConfig
 
 # Bumped when the figures a dry run reports change meaning (e.g. bf16 collectives counted at the
 # partitioner's dtype, sequence-parallel reduce-scatters named as such) or the compiled step

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from shardkit.config import PlanOptions  # noqa: F401  (declared with the other configs; its home here)
+from shardkit.core.config import PlanOptions  # noqa: F401  (declared with the other configs; its home here)
 
 
 @dataclasses.dataclass

@@ -9,10 +9,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shardkit.errors import InputError, LayoutError, ModelError, short_repr
-from shardkit.estimate import predict
-from shardkit.hardware import Hardware, get_hardware
-from shardkit.model_source import ModelSource, build_model, importable_name, is_factory_ref, load_factory
+from shardkit.analysis.estimate import predict
+from shardkit.analysis.hardware import Hardware, get_hardware
+from shardkit.core.errors import InputError, LayoutError, ModelError, short_repr
+from shardkit.models.model_source import ModelSource, build_model, importable_name, is_factory_ref, load_factory
 from shardkit.plan.cache import DryRunCache
 from shardkit.plan.options import Plan, PlanInterrupted, PlanOptions, PlanResult, size_text
 from shardkit.plan.search import Candidate, ModelFacts, Question, candidate_layouts, price
@@ -249,7 +249,7 @@ def plan(
         alone is read) or a shipped config's name (:mod:`shardkit.models.published`).
       vocab: the vocabulary size, when a tokenizer's replaces the preset's or config's.
       devices: the device count to plan for.
-      hardware: a profile name (``h100``, ...) or a :class:`~shardkit.hardware.Hardware`.
+      hardware: a profile name (``h100``, ...) or a :class:`~shardkit.analysis.hardware.Hardware`.
       batch, seq: global batch rows and sequence length.
       options: the search space (:class:`PlanOptions`).
       cache_dir: where compiled dry runs are cached (default ``~/.cache/shardkit``).

@@ -12,17 +12,17 @@ from typing import Any, NamedTuple
 
 import jax
 
-from shardkit.dryrun import DryRunConfig, dry_run_optimizer, hf_config_of
-from shardkit.errors import ShardkitError
-from shardkit.estimate import Estimate, ModelSizes, analytic, axis_links, optimizer_bytes_per_param
-from shardkit.hardware import Hardware
-from shardkit.model import Model, model_facts
+from shardkit.analysis.estimate import Estimate, ModelSizes, analytic, axis_links, optimizer_bytes_per_param
+from shardkit.analysis.hardware import Hardware
+from shardkit.core.errors import ShardkitError
+from shardkit.core.partition import Axes, specs_for
+from shardkit.core.precision import Precision, as_precision
+from shardkit.core.rules import default_rules
 from shardkit.models.gpt import GPTConfig
 from shardkit.models.hf_config import gpt_config
-from shardkit.partition import Axes, specs_for
+from shardkit.models.model import Model, model_facts
+from shardkit.plan.dryrun import DryRunConfig, dry_run_optimizer, hf_config_of
 from shardkit.plan.options import Plan, PlanOptions, size_text
-from shardkit.precision import Precision, as_precision
-from shardkit.rules import default_rules
 
 # An estimate within this factor of the budget is worth compiling: the formulas count
 # activations only to a small factor.

@@ -7,9 +7,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from shardkit.errors import InputError
-from shardkit.flags import config_from
-from shardkit.hardware import DEFAULT_HARDWARE
+from shardkit.analysis.hardware import DEFAULT_HARDWARE
+from shardkit.core.errors import InputError
+from shardkit.core.flags import config_from
 from shardkit.plan.options import PlanInterrupted, PlanOptions, size_text
 from shardkit.plan.planner import plan
 

@@ -9,7 +9,7 @@ JAX's start-up only once per process, and kills them when it ends, Ctrl-C includ
 
 Past the CPU compiler's 2048 devices no process can hold the mesh: each configuration is then
 dry-run as ``shardkit dryrun`` does it, extrapolated from two smaller compiles in subprocesses
-(:mod:`shardkit.extrapolate`).
+(:mod:`shardkit.analysis.extrapolate`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Any, TextIO
 import jax
 from jax._src import xla_bridge
 
-from shardkit.dryrun import DryRunConfig, _in_process, can_run_here, dryrun
-from shardkit.errors import ClusterError, ModelError, ShardkitError
-from shardkit.extrapolate import MAX_COMPILED_DEVICES
-from shardkit.model_source import factory_ref, is_factory_ref
+from shardkit.analysis.extrapolate import MAX_COMPILED_DEVICES
+from shardkit.core.errors import ClusterError, ModelError, ShardkitError
+from shardkit.models.model_source import factory_ref, is_factory_ref
+from shardkit.plan.dryrun import DryRunConfig, _in_process, can_run_here, dryrun
 from shardkit.plan.search import Candidate, ModelFacts
 
 

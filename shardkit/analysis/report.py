@@ -1,0 +1,347 @@
+"""Report: what the compiler did with a plan, next to what the layout should cost at best.
+
+For a compiled train step it lists every collective (kind, count per step, bytes, the mesh
+axes it runs over, the user op it comes from), per-device memory (parameters, optimizer
+state, batch, temporaries, outputs, aliasing), matmul FLOPs, and the analytic lower bound of
+the layout (the reference formulas below) with the measured/bound ratios.
+
+Bytes moved per device use ring algorithms on ``n`` devices for an array of ``S`` bytes:
+all-reduce ``2(n-1)/n*S``; all-gather, reduce-scatter, all-to-all ``(n-1)/n*S``;
+collective-permute ``S``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import re
+import tempfile
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from shardkit.analysis import hlo, hlo_uses, partitioned
+from shardkit.analysis.report_data import CollectiveStat, Memory, Report, moved_bytes, source_op
+from shardkit.core.errors import AnalysisError
+from shardkit.core.mesh import Layout
+from shardkit.core.precision import Precision
+from shardkit.core.rules import Rules, entry_axes
+from shardkit.core.sharding import unnamed_model_note
+from shardkit.models.model import Model, model_facts
+from shardkit.runtime.xla_flags import DRY_RUN_OPTIONS
+
+
+class CompiledStep(Protocol):
+    """What a report reads of a compiled train step (``shardkit.Trainer`` is one); declared here
+    so that the analysis layer never imports the training layer (docs/architecture.md)."""
+
+    mesh: Mesh
+    model: Model
+    layout: Layout
+    rules: Rules
+    precision: Precision
+    microbatches: int
+    accumulation: Any  # how microbatches' gradients are reduced (shardkit.training.accumulation.Accumulation)
+    param_specs: Any
+    update_specs: Any  # where the optimizer's copies live (param_specs, plus data under ZeRO)
+    state_shardings: Any
+
+    @property
+    def compiler_options(self) -> dict[str, str | bool]: ...  # the XLA options its step compiles with
+
+    def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled: ...
+
+    def lower(self, batch: Mapping[str, Any]) -> jax.stages.Lowered: ...
+
+    def abstract_state(self, seed: int = 0) -> Any: ...
+
+    def batch_specs(self, batch: Mapping[str, Any]) -> dict[str, PartitionSpec]: ...
+
+    def sharding_table(self) -> list[dict[str, Any]]: ...
+
+
+# Path components of an HLO op_name that are JAX plumbing rather than the user's code.
+def collective_stats(
+    text: str,
+    mesh: jax.sharding.Mesh,
+    param_specs: Any = None,
+    param_shapes: Any = None,
+    partitioned_text: str | None = None,
+) -> list[CollectiveStat]:
+    """Aggregate the compiled module's collectives by (kind, mesh axes, op, direction).
+
+    With the parameters' specs and shapes, a backward all-reduce over mesh axes that shard
+    parameters, on an array shaped like a gradient before that sharding, whose result is then
+    sliced per device (or stored per layer, to be sliced after the layer scan) is reported as
+    the reduce-scatter it stands for; so is any all-reduce whose result is used only through
+    per-device slices, one part in its group's size (an activation's, under sequence
+    parallelism). With the module as the SPMD partitioner left it (``partitioned_text``), bytes
+    are counted at the dtypes it chose.
+    """
+    program = hlo.parse(text)
+    found = hlo.collectives(program)
+    if partitioned_text is not None:
+        found = partitioned.at_partitioner_dtypes(found, partitioned_text)
+    sliced, stacked, only_sliced = hlo_uses.sliced_results(program)
+    mesh_shape = dict(mesh.shape)
+    host_of = [d.process_index for d in mesh.devices.flat]
+    specs = (
+        jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)) if param_specs else []
+    )
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(param_shapes)] if param_shapes else []
+    param_axes = {a for spec in specs for entry in spec for a in entry_axes(entry)}
+
+    @functools.cache
+    def gradient_shapes(axes: tuple[str, ...]) -> frozenset[tuple[int, ...]]:
+        """Local gradient shapes while still whole along ``axes`` (and per layer, without dim 0),
+        also as the matrices a layer may multiply by, either way round (its weight's leading
+        dimensions merged, and its trailing ones: the gradient is reduced in that shape)."""
+        out = set()
+        for spec, shape in zip(specs, shapes, strict=True):
+            entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+            local = tuple(
+                d // math.prod(mesh_shape[a] for a in entry_axes(e) if a not in axes)
+                for d, e in zip(shape, entries, strict=True)
+            )
+            for dims in (local, local[1:]):
+                out.add(dims)
+                for k in range(1, len(dims)):
+                    rows, cols = math.prod(dims[:k]), math.prod(dims[k:])
+                    out.update({(rows, cols), (cols, rows)})
+        return frozenset(out)
+
+    groups: dict[tuple[Any, ...], list[Any]] = collections.defaultdict(list)
+    for c in found:
+        axes = hlo.mesh_axes_of(c.groups, mesh)
+        n = c.group_size or 1
+        op, direction = source_op(c.op_name)
+        kind, lowered = c.kind, ""
+        grads = gradient_shapes(tuple(axes))
+        gradient_scatter = (
+            c.kind == "all-reduce"
+            and direction == "backward"
+            and axes
+            and set(axes) <= param_axes
+            and (c.name in sliced or c.name in stacked)
+            and any(shape in grads or _without_leading_ones(shape) in grads for shape in c.shapes)
+        )
+        if gradient_scatter or (c.kind == "all-reduce" and axes and only_sliced.get(c.name) == n):
+            kind, lowered = "reduce-scatter", "all-reduce+dynamic-slice"
+        payload = c.payload_bytes * (n if c.kind == "reduce-scatter" else 1)
+        crosses = any(len({host_of[i] for i in g if i < len(host_of)}) > 1 for g in c.groups)
+        groups[(kind, axes, op, direction, n, lowered, crosses, c.asynchronous)].append((c.executions, payload))
+    stats = []
+    for (kind, axes, op, direction, n, lowered, crosses, asynchronous), items in groups.items():
+        count = sum(e for e, _ in items)
+        total = sum(e * p for e, p in items)
+        stats.append(
+            CollectiveStat(
+                kind,
+                axes,
+                op,
+                direction,
+                count,
+                n,
+                total // max(count, 1),
+                moved_bytes(kind, total, n),
+                lowered,
+                crosses,
+                asynchronous,
+            )
+        )
+    return sorted(stats, key=lambda c: (c.kind, c.axes, c.op))
+
+
+def _without_leading_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``(1, 1, 64, 32) -> (64, 32)``: a gradient still carrying the (here size-1) dimensions of
+    the mesh axes it is yet to be reduced over (``shardkit.training.accumulation``)."""
+    first = next((i for i, d in enumerate(shape) if d != 1), len(shape))
+    return shape[first:]
+
+
+def _bytes_per_device(abstract: Any, shardings: Any) -> int:
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings), strict=True):
+        total += math.prod(sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+    return int(total)
+
+
+def lower_bound(
+    layout_shape: dict[str, int],
+    param_bytes: float,
+    state_bytes: float,
+    *,
+    layers: int = 0,
+    activation_bytes: float = 0.0,
+) -> dict[str, float]:
+    """The least a layout must move and hold per device (ring collectives, ZeRO, Megatron, and a
+    pipeline's sends between stages).
+
+    Args:
+      layout_shape: mesh axis sizes.
+      param_bytes: bytes of all parameters in the dtype they are communicated in.
+      state_bytes: bytes of the whole model state (params, optimizer state, master copy).
+      layers: transformer layers (for the tensor-parallel term).
+      activation_bytes: bytes of one layer's ``(batch, seq, hidden)`` activation of one
+        tensor-parallel group (global batch / (data x fsdp)), summed over microbatches: also what
+        crosses a stage boundary.
+
+    Returns:
+      ``{"bytes_per_device", "state_memory_per_device", plus each term}``.
+    """
+    d, f, t = layout_shape.get("data", 1), layout_shape.get("fsdp", 1), layout_shape.get("tensor", 1)
+    n = math.prod(layout_shape.values())
+    per_tensor_shard = param_bytes / t
+    terms = {
+        # ZeRO-3: gather the parameters for the forward and again for the backward, reduce-scatter grads.
+        "fsdp": 3 * moved_bytes("all-gather", per_tensor_shard, f),
+        # Data parallelism: all-reduce the (fsdp- and tensor-sharded) gradients.
+        "data": moved_bytes("all-reduce", per_tensor_shard / f, d),
+        # Megatron: 2 all-reduces forward and 2 backward per layer of (b, s, h) activations.
+        "tensor": 4 * layers * moved_bytes("all-reduce", activation_bytes, t),
+        # Pipeline: each microbatch's boundary activation goes to the next stage, its gradient
+        # comes back (collective-permutes; a lock-step schedule also sends in its bubbles).
+        "stage": 2 * moved_bytes("collective-permute", activation_bytes, 2)
+        if layout_shape.get("stage", 1) > 1
+        else 0.0,
+    }
+    return {
+        "bytes_per_device": sum(terms.values()),
+        "state_memory_per_device": state_bytes / n,
+        **{f"bytes_{k}": v for k, v in terms.items()},
+    }
+
+
+def build_report(
+    trainer: CompiledStep, batch: dict[str, Any], compile_seconds: float | None = None, dry_run: bool = False
+) -> Report:
+    """The report of ``trainer``'s step compiled for batches shaped like ``batch``; ``dry_run``:
+    a program that will not run, compiled without the backend's code optimization
+    (:data:`shardkit.runtime.xla_flags.DRY_RUN_OPTIONS`)."""
+    abstract = trainer.abstract_state()
+    compiled, partitioned_text = _compiled(trainer, batch, abstract.params, dry_run)
+    text = compiled.as_text()
+    mem = compiled.memory_analysis()
+    if text is None or mem is None:
+        raise AnalysisError("The compiled step has no HLO text or memory analysis on this backend; nothing to report.")
+    shardings = trainer.state_shardings
+    batch_shardings = {k: jax.sharding.NamedSharding(trainer.mesh, s) for k, s in trainer.batch_specs(batch).items()}
+    memory = Memory(
+        params=_bytes_per_device(abstract.params, shardings.params),
+        optimizer=_bytes_per_device(abstract.opt_state, shardings.opt_state),
+        master=_bytes_per_device(abstract.master, shardings.master) if abstract.master is not None else 0,
+        batch=_bytes_per_device(dict(batch), batch_shardings),
+        arguments=int(mem.argument_size_in_bytes),
+        outputs=int(mem.output_size_in_bytes),
+        alias=int(mem.alias_size_in_bytes),
+        temp=int(mem.temp_size_in_bytes),
+        generated_code=int(mem.generated_code_size_in_bytes),
+    )
+    params = jax.tree.leaves(abstract.params)
+    param_count = sum(x.size for x in params)
+    param_bytes = sum(x.size * np.dtype(x.dtype).itemsize for x in params)
+    state_bytes = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract) if x.ndim)
+    info = model_facts(trainer.model)
+    layout_shape = dict(trainer.mesh.shape)
+    shape = next(iter(batch.values())).shape
+    rows = shape[0]
+    seq = (shape[1] - 1 if "tokens" in batch else shape[1]) if len(shape) >= 2 else 1
+    layers = int(info.get("layers", 0))
+    # One layer's (b, s, h) activation of one tensor-parallel group, summed over microbatches.
+    per_group_rows = rows / (layout_shape.get("data", 1) * layout_shape.get("fsdp", 1))
+    activation = per_group_rows * seq * info.get("dim", 0) * np.dtype(trainer.precision.compute).itemsize
+    bound = lower_bound(layout_shape, param_bytes, state_bytes, layers=layers, activation_bytes=activation)
+    model_flops = None
+    if (
+        info.get("matmul_params") and "tokens" in batch
+    ):  # a language model; PaLM's count: 6N per token for the matmuls + 12*L*h*s for attention
+        model_flops = float(rows * seq * (6 * info["matmul_params"] + 12 * layers * info["dim"] * seq))
+    return Report(
+        backend=trainer.mesh.devices.flat[0].platform,
+        devices=int(trainer.mesh.devices.size),
+        layout=trainer.layout.spec(),
+        precision=trainer.precision.name,
+        microbatches=trainer.microbatches,
+        parameters=int(param_count),
+        # Gradients are reduced to where the optimizer's copies live: over data too under ZeRO.
+        collectives=tuple(
+            collective_stats(text, trainer.mesh, trainer.update_specs, abstract.params, partitioned_text)
+        ),
+        memory=memory,
+        flops_per_device=hlo.dot_flops(text),
+        model_flops_per_step=model_flops,
+        lower_bound=bound,
+        compile_seconds=compile_seconds,
+        gradient_reduction=_gradient_reduction(trainer),
+        partitioner_dtypes=partitioned_text is not None,
+    )
+
+
+def _compiled(
+    trainer: CompiledStep, batch: dict[str, Any], params: Any, dry_run: bool = False
+) -> tuple[jax.stages.Compiled, str | None]:
+    """The compiled step, and on the CPU backend with bf16 in play (in the compute dtype or the
+    ``params``) the module as the SPMD partitioner left it (``shardkit.analysis.partitioned``: the CPU
+    compiler runs bf16 collectives in f32)."""
+    bf16 = jnp.dtype(trainer.precision.compute) == jnp.bfloat16 or any(
+        x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params)
+    )
+    cpu = trainer.mesh.devices.flat[0].platform == "cpu"
+    options: dict[str, Any] = {**trainer.compiler_options, **(DRY_RUN_OPTIONS if dry_run and cpu else {})}
+    if not cpu or not bf16:  # a dry run's program is not the one a step may run: not cached
+        return (trainer.lower(batch).compile(compiler_options=options) if dry_run else trainer.compile(batch)), None
+    with tempfile.TemporaryDirectory(prefix="shardkit-partitioned-") as directory, partitioned.uncached():
+        compiled = trainer.lower(batch).compile(compiler_options={**options, **partitioned.dump_options(directory)})
+        return compiled, partitioned.read(directory)
+
+
+def _gradient_reduction(trainer: CompiledStep) -> str:
+    """``"once"``, ``"per_microbatch: <why>"``, or "" without microbatches."""
+    acc = trainer.accumulation
+    if trainer.microbatches == 1 or acc.reduces is None:
+        return ""
+    return acc.reduces + (f": {acc.reason}" if acc.reason else "")
+
+
+def sharding_warnings(trainer: CompiledStep, top: int = 3, min_fraction: float = 0.01) -> list[str]:
+    """Warnings a user should see before a long run.
+
+    - the largest parameters left fully replicated on a mesh of several devices (each at least
+      ``min_fraction`` of all parameter bytes);
+    - rules whose mesh axes are larger than 1 here but that shard no parameter;
+    - the model's own notes (e.g. regex rules of :func:`shardkit.annotate` that matched nothing);
+    - a ``tensor`` or ``expert`` axis under a model that names no parameter's axes.
+    """
+    warnings = list(trainer.model.notes)
+    unnamed = unnamed_model_note(trainer.model, dict(trainer.mesh.shape))
+    if unnamed is not None:
+        warnings.append(unnamed)
+    rows = trainer.sharding_table()
+    total = sum(r["bytes_per_device"] * math.prod(r["shape"]) / max(math.prod(r["shard"]), 1) for r in rows)
+    if trainer.mesh.devices.size > 1:
+        replicated = [r for r in rows if r["shape"] and r["shard"] == r["shape"]]
+        replicated.sort(key=lambda r: -r["bytes_per_device"])
+        for r in replicated[:top]:
+            if r["bytes_per_device"] >= min_fraction * total:
+                warnings.append(
+                    f"{r['path']} {'x'.join(map(str, r['shape']))} ({r['bytes_per_device'] / 1e6:.2f} MB) is "
+                    f"replicated on all {trainer.mesh.devices.size} devices; its logical axes {r['logical']} "
+                    "map to no mesh axis of this layout."
+                )
+    mesh_shape = dict(trainer.mesh.shape)
+    used = {name for r in rows for name in re.findall(r"[A-Za-z_]+", r["logical"])}
+    # Mesh axes that do split some parameter (by a rule, or by the fallback of a model that names none).
+    splitting = {name for r in rows for name in re.findall(r"[A-Za-z_]+", r["spec"])}
+    for name, axes in trainer.rules.rules:
+        live = [a for a in axes if mesh_shape.get(a, 1) > 1]
+        if live and name not in used and name not in ("batch", "seq") and not set(live) & splitting:
+            warnings.append(
+                f"rule {name} -> {'+'.join(axes)} matches no parameter, so mesh axes "
+                f"{', '.join(f'{a}={mesh_shape[a]}' for a in live)} shard no weights of {trainer.model.name}."
+            )
+    return warnings

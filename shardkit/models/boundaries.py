@@ -1,0 +1,205 @@
+"""Module boundaries: shardings for the activations of models that name none.
+
+A model written without :func:`shardkit.constrain` leaves XLA's partitioner to guess its
+activations' shardings from the parameters'. Under FSDP the parameters' ``embed -> fsdp`` split
+wins that guess and flows into the activations, so the batch is no longer split over ``fsdp``:
+every matmul all-reduces activations instead of gathering weights (ZeRO-3 turns into a slow
+tensor parallelism). MaxText avoids this by constraining activations at layer boundaries; Flax
+Linen's ``nn.intercept_methods`` reaches every submodule call; shardkit does the same for NNX
+and Linen, so an unmodified model gets ZeRO-3's all-gathers and reduce-scatters.
+
+At every submodule call, each array output whose leading dimension is the batch is constrained:
+
+- dimension 0 to the mesh axes of the logical ``batch`` (``data``, ``fsdp``, ``expert``); a mesh
+  axis shards one dimension of an array at most, so the weights must now be gathered;
+- an output shaped like one of the call's array arguments (a residual block, a norm, attention
+  or MLP) is a layer boundary: its other dimensions are resolved as ``(batch, seq, ...)`` and the
+  rest replicated, which is where Megatron tensor parallelism reduces (and, under sequence
+  parallelism, where ``seq`` is split);
+- on Explicit mesh axes nothing is constrained: there the model's types say where arrays live;
+- any other output leaves its other dimensions to the partitioner (``UNCONSTRAINED``), so heads,
+  MLP units and the vocabulary stay split over ``tensor`` inside a layer.
+
+NNX submodule calls also open a ``jax.named_scope`` named by the module's path
+(``layers/0/attn/q``), so reports name NNX ops the way they name Linen ones.
+
+Flax's own embedding lookups (``nnx.Embed``, ``nn.Embed``) on a mesh with a ``tensor`` axis
+gather the table's feature dimension before the lookup, as shardkit's GPT does
+(:func:`embedding_lookup`): with the table's vocabulary split over ``tensor``, its features over
+``fsdp`` and the token ids over ``fsdp`` along the batch, XLA otherwise replicates the lookup's
+result and moves it back ("Involuntary full rematerialization": an all-gather over ``data``, one
+over ``tensor`` and two collective-permutes per step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import AxisType, PartitionSpec
+
+from shardkit.core.partition import constrain_to, current_rules, free_mesh_shape
+from shardkit.core.rules import resolve
+
+_PATHS: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar("shardkit_nnx_paths", default=None)
+_BATCH_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("shardkit_batch_rows", default=None)
+_CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("shardkit_nnx_caller", default="")
+_SUBCLASSES: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+
+
+def boundary_spec(shape: Sequence[int], layer_boundary: bool) -> PartitionSpec | None:
+    """The spec of one module output of ``shape`` under the rules in force, or None to leave it.
+
+    Args:
+      shape: the output's shape; dimension 0 is the batch when it equals the rows in flight.
+      layer_boundary: whether the output is shaped like one of the module's inputs.
+
+    Returns:
+      ``PartitionSpec`` with the batch axes on dimension 0, then ``seq`` on dimension 1 for a
+      layer boundary of rank >= 3 and the rest replicated; otherwise ``UNCONSTRAINED`` beyond
+      dimension 0. None outside a sharding context, or for an output that is not batched.
+    """
+    ctx, rows = current_rules(), _BATCH_ROWS.get()
+    if ctx is None or rows is None or not shape or shape[0] != rows:
+        return None
+    mesh, rules = ctx
+    if AxisType.Explicit in mesh.axis_types:  # sharding in types: the model says where things go
+        return None
+    if layer_boundary:
+        names = (
+            ("batch", "seq") + (None,) * (len(shape) - 2)
+            if len(shape) >= 3
+            else ("batch",) + (None,) * (len(shape) - 1)
+        )
+        return resolve(names, shape, rules, free_mesh_shape(mesh), what="activation", allow_replicate=True)
+    batch = resolve(("batch",), shape[:1], rules, free_mesh_shape(mesh), what="activation", allow_replicate=True)
+    return PartitionSpec(batch[0], *([PartitionSpec.UNCONSTRAINED] * (len(shape) - 1)))
+
+
+def embedding_lookup(module: Any, inputs: Any) -> jax.Array | None:
+    """The lookup of a Flax ``nnx.Embed`` or ``nn.Embed`` with its table whole along the
+    features (the feature split gathered first, as FSDP gathers any weight), the vocabulary
+    left as the table's sharding has it (vocab-parallel over ``tensor``); None where Flax's own
+    call must run instead: outside a sharding context, on a mesh without a ``tensor`` axis,
+    integer ids missing, or a one-row table.
+
+    The same three steps as Flax's ``__call__``: the module's own dtype promotion, then
+    ``jnp.take`` along the rows.
+    """
+    ctx = current_rules()
+    if ctx is None or not hasattr(inputs, "dtype") or not jnp.issubdtype(inputs.dtype, jnp.integer):
+        return None
+    if free_mesh_shape(ctx[0]).get("tensor", 1) == 1:
+        # Without a tensor axis XLA moves the looked-up rows to their owners with all-to-alls
+        # (B x T x D / n each way), cheaper than gathering a large vocabulary's table.
+        return None
+    if module.num_embeddings == 1:
+        return None
+    if isinstance(module, nnx.Module):  # NNX's promote_dtype takes a tuple, Linen's the arrays
+        (table,) = module.promote_dtype((module.embedding[...],), dtype=module.dtype, inexact=False)
+    else:
+        (table,) = module.promote_dtype(module.embedding, dtype=module.dtype, inexact=False)
+    table = constrain_to(table, PartitionSpec(PartitionSpec.UNCONSTRAINED, None))
+    return jnp.take(table, inputs, axis=0)
+
+
+def constrain_outputs(outputs: Any, args: Sequence[Any]) -> Any:
+    """Constrain every batched array in ``outputs`` (see :func:`boundary_spec`)."""
+    input_shapes = {tuple(a.shape) for a in jax.tree.leaves(args) if isinstance(a, jax.Array)}
+
+    def one(y: Any) -> Any:
+        if not isinstance(y, jax.Array):
+            return y
+        spec = boundary_spec(y.shape, tuple(y.shape) in input_shapes)
+        return y if spec is None else constrain_to(y, spec)
+
+    return jax.tree.map(one, outputs)
+
+
+@contextlib.contextmanager
+def batch_in_flight(inputs: Any) -> Iterator[None]:
+    """Mark the leading dimension of ``inputs`` as the batch rows of the current call."""
+    leaves = [x for x in jax.tree.leaves(inputs) if hasattr(x, "shape") and x.shape]
+    token = _BATCH_ROWS.set(int(leaves[0].shape[0]) if leaves else None)
+    try:
+        yield
+    finally:
+        _BATCH_ROWS.reset(token)
+
+
+# -- NNX ---------------------------------------------------------------------------------------
+
+
+def _bounded_class(cls: type) -> type:
+    """A subclass of an NNX module class whose ``__call__`` opens a named scope and constrains
+    its outputs; made once per class (a new class per call would grow JAX's pytree registry)."""
+    if cls not in _SUBCLASSES:
+        flax_call = cls.__call__
+        if flax_call is nnx.Embed.__call__:  # Flax's own lookup, not a subclass's
+
+            def original(self: Any, *args: Any, **kwargs: Any) -> Any:
+                looked_up = None if kwargs or len(args) != 1 else embedding_lookup(self, args[0])
+                return flax_call(self, *args, **kwargs) if looked_up is None else looked_up
+        else:
+            original = flax_call
+
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            path = (_PATHS.get() or {}).get(id(self))
+            if path is None:  # a copy made inside an NNX transform (nnx.scan, say): its caller named it
+                return constrain_outputs(original(self, *args, **kwargs), args)
+            outer = _CALLER.get()
+            # Named scopes nest: open only the part of the path below the calling module.
+            scope = path[len(outer) + 1 :] if outer and path.startswith(outer + "/") else path
+            token = _CALLER.set(path)
+            try:
+                with jax.named_scope(scope):
+                    out = original(self, *args, **kwargs)
+            finally:
+                _CALLER.reset(token)
+            return constrain_outputs(out, args)
+
+        _SUBCLASSES[cls] = type(cls)(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return _SUBCLASSES[cls]
+
+
+@contextlib.contextmanager
+def nnx_boundaries(module: nnx.Module) -> Iterator[None]:
+    """Within this context, calls of ``module``'s submodules are bounded (named and constrained).
+
+    ``module`` must be a fresh instance (from ``nnx.merge``): its submodules' classes are swapped
+    for bounded subclasses, which changes nothing else about them.
+    """
+    paths: dict[int, str] = {}
+    for path, sub in nnx.iter_modules(module):
+        if path and callable(sub):  # containers such as nnx.List are never called
+            sub.__class__ = _bounded_class(type(sub))
+            paths[id(sub)] = "/".join(str(p) for p in path)
+    token = _PATHS.set(paths)
+    try:
+        yield
+    finally:
+        _PATHS.reset(token)
+
+
+# -- Linen -------------------------------------------------------------------------------------
+
+
+def _linen_interceptor(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+    if context.method_name != "__call__" or context.module.parent is None:
+        return next_fun(*args, **kwargs)
+    module, out = context.module, None
+    if type(module).__call__ is nn.Embed.__call__ and not kwargs and len(args) == 1:  # Flax's own lookup
+        out = embedding_lookup(module, args[0])
+    return constrain_outputs(next_fun(*args, **kwargs) if out is None else out, args)
+
+
+def linen_boundaries() -> contextlib.AbstractContextManager[None]:
+    """Within this context, every Linen submodule's ``__call__`` output is constrained."""
+    return nn.intercept_methods(_linen_interceptor)

@@ -1,0 +1,128 @@
+"""Huge pages for the host memory of CPU steps: the kernel maps each step's buffers in 2 MB at a time.
+
+XLA:CPU allocates each execution's temporary buffer (every intermediate of the step: 210 MB per
+device for the 4.3M-parameter GPT of ``benchmarks/cpu_vs_pytorch.py``) with ``posix_memalign``
+and frees it when the step ends. glibc serves a request that large with a fresh ``mmap`` and
+returns it with ``munmap``, so the kernel faults in and zeroes every 4 KB page again on the next
+step: 102,524 page faults a step for that GPT on 2 simulated devices, about a quarter of its
+time. PyTorch's many smaller tensors stay under glibc's reuse threshold.
+
+glibc's tunable ``glibc.malloc.hugetlb=1`` makes it ask for transparent huge pages
+(``madvise(MADV_HUGEPAGE)``) on what it maps: 836 faults a step, and the memory still goes back
+to the kernel on free. Tunables are read when a process starts, so shardkit puts the tunable in
+the environment of the processes it starts (:func:`with_huge_pages`): the ``shardkit`` command
+restarts itself once with it (:func:`restart_with_huge_pages`), and the launcher, the benchmarks
+and the tests pass it on. A script or notebook of your own gets it from its environment::
+
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python train.py
+
+Asking glibc instead, from inside the running process (``mallopt``), to keep freed memory in one
+heap for reuse avoided the faults too, but fragmented: ``fsdp=8`` on a 4-layer gpt2-small grew
+to 15 GB resident against 7.3 GB, where huge pages stayed at 2.7-6.1 GB.
+
+``SHARDKIT_HOST_ALLOCATOR`` chooses: ``auto`` (the default: huge pages when JAX can only compute
+on the CPU and the kernel gives huge pages on request), ``huge_pages`` (also with an accelerator
+installed) or ``system`` (the environment as it is).
+
+Example:
+  >>> with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, mode="huge_pages")["GLIBC_TUNABLES"]
+  'glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1'
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import pathlib
+import sys
+from collections.abc import Mapping
+
+from shardkit.core.errors import InputError
+
+ENV = "SHARDKIT_HOST_ALLOCATOR"
+MODES = ("auto", "huge_pages", "system")
+TUNABLE = "glibc.malloc.hugetlb=1"
+_HUGETLB = "glibc.malloc.hugetlb="
+THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def requested_mode(environ: Mapping[str, str] = os.environ) -> str:
+    """The mode ``SHARDKIT_HOST_ALLOCATOR`` asks for (``auto`` when unset).
+
+    Raises:
+      InputError: the variable holds something else.
+    """
+    mode = environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise InputError(
+            f"{ENV}={environ[ENV]!r}: choose one of {', '.join(MODES)} (auto asks for huge pages when JAX can "
+            "only compute on the CPU; system leaves glibc's settings alone)."
+        )
+    return mode
+
+
+def jax_is_cpu_only(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether JAX, once started, can only compute on the CPU: ``JAX_PLATFORMS=cpu``, or no GPU or
+    TPU plugin installed. Reads package metadata only; JAX is not imported."""
+    platforms = [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return platforms == ["cpu"]
+    if importlib.metadata.entry_points(group="jax_plugins"):  # PJRT plugins: jax-cuda*-plugin, ...
+        return False
+    return not any(importlib.util.find_spec(name) is not None for name in ("jax_plugins", "libtpu"))
+
+
+def huge_pages_on_request() -> bool:
+    """Whether this kernel gives transparent huge pages to memory that asks (``madvise``), and only
+    to that: where it gives them to all memory (``always``) or none, the tunable changes nothing."""
+    try:
+        return "[madvise]" in THP_SETTING.read_text()
+    except OSError:  # not Linux, or no transparent huge pages
+        return False
+
+
+def with_huge_pages(environ: Mapping[str, str] = os.environ, mode: str | None = None) -> dict[str, str]:
+    """A copy of ``environ`` in which a process started with it maps its large host buffers in huge
+    pages, as ``mode`` asks (None reads ``SHARDKIT_HOST_ALLOCATOR`` from ``environ``).
+
+    Raises:
+      InputError: ``mode`` (or the variable) is not one of ``MODES``.
+    """
+    env = dict(environ)
+    mode = requested_mode(env) if mode is None else mode
+    if mode not in MODES:
+        raise InputError(f"with_huge_pages(mode={mode!r}): choose one of {', '.join(MODES)}.")
+    if mode == "system" or (mode == "auto" and not (jax_is_cpu_only(env) and huge_pages_on_request())):
+        return env
+    tunables = _tunables(env)
+    if not any(t.startswith(_HUGETLB) for t in tunables):  # the user's own value stands
+        env["GLIBC_TUNABLES"] = ":".join([*tunables, TUNABLE])
+    return env
+
+
+def without_huge_pages(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """A copy of ``environ`` without any ``glibc.malloc.hugetlb`` tunable: glibc's defaults (the
+    comparison the benchmarks make)."""
+    env = dict(environ)
+    env["GLIBC_TUNABLES"] = ":".join(t for t in _tunables(env) if not t.startswith(_HUGETLB))
+    return env
+
+
+def _tunables(environ: Mapping[str, str]) -> list[str]:
+    """The ``name=value`` entries of ``GLIBC_TUNABLES``."""
+    return [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
+
+
+def restart_with_huge_pages() -> None:
+    """Restart this Python process with the same arguments and :func:`with_huge_pages`'s
+    environment, when that adds the tunable; return otherwise. Call first thing, before any
+    thread or file exists that the restart would lose (the ``shardkit`` command does)."""
+    if not sys.platform.startswith("linux"):
+        return
+    env = with_huge_pages()
+    if env.get("GLIBC_TUNABLES") == os.environ.get("GLIBC_TUNABLES"):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

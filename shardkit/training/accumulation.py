@@ -1,0 +1,318 @@
+"""Gradient accumulation: ``K`` microbatches per step, their gradients summed in fp32.
+
+Two ways to sum, one result:
+
+- **per microbatch** (:func:`accumulated_grads`): each microbatch's gradient is reduced over the
+  devices that split the rows, then added. GSPMD cannot carry an unreduced partial sum through a
+  loop, so this moves the gradient bytes ``K`` times per step.
+- **once** (:func:`once_reduced_grads`): every device sums the gradients of its own rows over the
+  ``K`` microbatches and the devices reduce once, after the loop (what ``no_sync`` does in
+  PyTorch DDP). The model is vmapped over each device's block of rows with the devices' mesh axes
+  as ``spmd_axis_name``, so the per-device gradients are an ordinary array split over those
+  axes, ``(n, *param)``, and no reduction is needed until the sum.
+
+Both give the mean over microbatches of each microbatch's mean loss and gradient. Reducing once
+splits each microbatch further, into each device's rows, which is the same mean when the loss is
+a mean over rows (shardkit's losses are) and the model treats rows independently; dropout drawn
+with :func:`shardkit.models.dropout.dropout` keeps its bits row for row. :func:`choose` decides: see
+``REDUCE_GRADIENTS``: ``auto`` reduces once where that costs no memory (no row axis splits the
+parameters) and keeps the result, ``once`` always (an error where it cannot), ``per_microbatch``
+inside the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shardkit.analysis.report_data import GRADIENT_REDUCTION_SCOPE
+from shardkit.core.config import REDUCE_GRADIENTS
+from shardkit.core.errors import InputError, LayoutError, ModelError
+from shardkit.core.partition import axes_taken, named, without_axes
+from shardkit.core.precision import Precision
+from shardkit.core.rules import entry_axes
+from shardkit.core.sharding import ShardingPlan
+from shardkit.models.model import Model, Params
+from shardkit.parallel.schedule import Schedule
+from shardkit.training.losses import Batch, LossFn
+from shardkit.training.steps import GradsFn, pipelined_grads, plain_grads, reduce_row_sums, split_microbatches
+
+# Primitives that draw random bits. shardkit's dropout draws inside a custom_vmap_call, which
+# the search does not enter: its bits survive the vmap over rows.
+_RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
+
+
+@dataclasses.dataclass
+class Accumulation:
+    """How a step with microbatches reduces its gradients.
+
+    Attributes:
+      requested: one of ``REDUCE_GRADIENTS``.
+      reduces: ``"once"`` or ``"per_microbatch"``; decided when the step is first traced (None
+        before), as two reasons need the model's traced program.
+      reason: why gradients are reduced per microbatch ("" when once).
+    """
+
+    requested: str
+    reduces: str | None = None
+    reason: str = ""
+
+
+def accumulated_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan) -> GradsFn:
+    """Mean loss and gradients over ``microbatches`` slices of the batch, one at a time, each
+    reduced over the devices (microbatch ``i`` draws dropout bits from ``fold_in(key, i)``).
+
+    The sums are placed where the step's gradients go (``plan.grad_specs``): under ZeRO-2 split
+    over ``data``, so each microbatch's gradients are reduce-scattered onto the sums' shards and no
+    device holds whole fp32 sums.
+    """
+    if microbatches == 1:
+        return grads_fn
+    shardings = named(plan.grad_specs, plan.mesh)
+
+    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
+        micro = split_microbatches(batch, microbatches, plan)
+        zeros = plan.constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), shardings)
+
+        def body(carry: tuple[Any, ...], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, ...], None]:
+            grad_sum, loss_sum, count_sum, state = carry
+            mb, i = xs
+            # Running statistics are updated microbatch after microbatch, as K forward passes would.
+            value, count, g, state = grads_fn(params, state, mb, jax.random.fold_in(key, i))
+            grad_sum = plan.constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g), shardings)
+            return (grad_sum, loss_sum + value, count_sum + count, state), None
+
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), model_state)
+        (grad_sum, loss_sum, count, state), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
+        return loss_sum / microbatches, count, jax.tree.map(lambda g: g / microbatches, grad_sum), state
+
+    return grads
+
+
+def once_reduced_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan, axes: tuple[str, ...]) -> GradsFn:
+    """Like :func:`accumulated_grads`, but reduced over the row ``axes`` once, after the loop.
+
+    Microbatch ``(B/K, ...)`` is viewed as ``(n, B/(K n), ...)`` (``n`` devices split the rows
+    over ``axes``; each keeps its own block, no data moves) and ``grads_fn`` is vmapped over the
+    blocks with ``spmd_axis_name=axes``. The ``(n, *param)`` gradient sums stay split over
+    ``axes`` through the loop: whole parameters' worth of fp32 on every device. After the loop
+    they are reduced to ``plan.grad_specs`` (under ZeRO-2 a reduce-scatter over ``data``).
+    """
+    mesh = plan.mesh
+    n = math.prod(mesh.shape[a] for a in axes)
+    sums_at = jax.tree.map(
+        lambda s: NamedSharding(mesh, PartitionSpec(axes, *without_axes(s, axes))),
+        plan.param_specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+    per_device = jax.vmap(grads_fn, in_axes=(None, None, 0, None), out_axes=(0, 0, 0, None), spmd_axis_name=axes)
+
+    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
+        specs = plan.batch_specs(batch)
+
+        def blocks(name: str, x: jax.Array) -> jax.Array:  # (K, B/K, ...) -> (K, n, B/(K n), ...)
+            y = x.reshape(microbatches, n, x.shape[1] // n, *x.shape[2:])
+            return plan.constrain(y, NamedSharding(mesh, PartitionSpec(None, axes, None, *tuple(specs[name])[1:])))
+
+        micro = {name: blocks(name, x) for name, x in split_microbatches(batch, microbatches, plan).items()}
+        zeros = plan.constrain(jax.tree.map(lambda p: jnp.zeros((n, *p.shape), jnp.float32), params), sums_at)
+
+        def body(carry: tuple[Any, Any, Any], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, Any, Any], None]:
+            grad_sum, loss_sum, count_sum = carry
+            mb, i = xs
+            with axes_taken(axes):
+                value, count, g, _ = per_device(params, None, mb, jax.random.fold_in(key, i))
+            grad_sum = plan.constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g), sums_at)
+            return (grad_sum, loss_sum + value.mean(), count_sum + count.sum()), None
+
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
+        with jax.named_scope(GRADIENT_REDUCTION_SCOPE):  # the report counts it as backward traffic
+            reduced = jax.tree.map(
+                lambda g, spec: reduce_row_sums(g, spec, plan, axes) / (microbatches * n),
+                grad_sum,
+                plan.grad_specs,
+                is_leaf=lambda x: isinstance(x, PartitionSpec),
+            )
+        return loss_sum / microbatches, count, reduced, model_state  # choose() keeps models with state away
+
+    return grads
+
+
+def choose(
+    model: Model,
+    loss: LossFn,
+    precision: Precision,
+    microbatches: int,
+    plan: ShardingPlan,
+    reduce: str,
+    schedule: Schedule | None = None,
+) -> tuple[GradsFn, Accumulation]:
+    """The gradient strategy for ``microbatches`` per step, and how it reduces.
+
+    With a pipeline ``schedule`` the microbatches are the schedule's, and reducing once happens
+    after the schedule instead of in every backward slot (with one microbatch too: each stage's
+    backward slot would reduce the shared parameters' gradients, in lock step, on every stage).
+
+    Raises:
+      InputError: ``reduce`` is not one of ``REDUCE_GRADIENTS``.
+      LayoutError: ``reduce="once"`` on a layout where it cannot be done (raised here, before
+        anything is traced); a reason found in the traced model raises ``ModelError`` then.
+    """
+    if reduce not in REDUCE_GRADIENTS:
+        raise InputError(f"reduce_gradients={reduce!r}: choose one of {', '.join(REDUCE_GRADIENTS)}.")
+    if schedule is not None:
+        microbatches = schedule.microbatches
+
+    def reducing(axes: tuple[str, ...]) -> GradsFn:
+        """Gradients reduced once over ``axes``, or per microbatch when ``axes`` is empty."""
+        if schedule is not None:
+            return pipelined_grads(model, loss, precision, schedule, plan, axes)
+        plain = plain_grads(model, loss, precision)
+        if microbatches == 1:
+            return plain
+        return (
+            once_reduced_grads(plain, microbatches, plan, axes)
+            if axes
+            else accumulated_grads(plain, microbatches, plan)
+        )
+
+    if microbatches == 1 and schedule is None:  # no loop: the step's one gradient is reduced once
+        return reducing(()), Accumulation(reduce, "once")
+    info = Accumulation(reduce)
+    axes = _row_axes(plan)
+    held = _model_reason(model)
+    if held and reduce == "once":
+        raise ModelError(f"reduce_gradients='once': {held}. Fix: use reduce_gradients='auto'.")
+    reason = held or _layout_reason(plan, axes, reduce)
+    if reduce == "once" and reason:
+        raise LayoutError(
+            f"reduce_gradients='once' with layout {plan.layout.spec()}: {reason}. "
+            "Fix: use reduce_gradients='auto' (or 'per_microbatch'), or change the layout."
+        )
+    if reason or reduce == "per_microbatch":
+        info.reduces, info.reason = "per_microbatch", reason or "asked for"
+        return reducing(()), info
+    per_microbatch, once = reducing(()), reducing(axes)
+
+    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
+        found = _traced_reason(model, loss, precision, plan, params, batch, key, microbatches, axes)
+        if found and reduce == "once":
+            raise ModelError(
+                f"reduce_gradients='once' with model {model.name}: {found}. Fix: draw dropout with "
+                "shardkit.models.dropout.dropout (sk.dropout), or use reduce_gradients='auto'."
+            )
+        info.reduces, info.reason = ("per_microbatch", found) if found else ("once", "")
+        return (per_microbatch if found else once)(params, model_state, batch, key)
+
+    return grads, info
+
+
+def _model_reason(model: Model) -> str:
+    """Why the model, by what it is, must see each microbatch's rows together ("" if not)."""
+    if model.state_init is not None:
+        return (
+            f"model {model.name} keeps running statistics (batch normalization), which must see each microbatch's "
+            "rows together, not each device's"
+        )
+    if model.axis_names:
+        return (
+            f"model {model.name} reduces over the named axes {', '.join(model.axis_names)} (written for pmap), "
+            "which a vmap over each device's rows would confine to those rows"
+        )
+    return ""
+
+
+def _row_axes(plan: ShardingPlan) -> tuple[str, ...]:
+    """The mesh axes (of more than one device) that the ``batch`` rule splits rows over."""
+    rule = dict(plan.rules.rules).get("batch", ())
+    return tuple(a for a in rule if plan.mesh.shape.get(a, 1) > 1)
+
+
+def _layout_reason(plan: ShardingPlan, axes: tuple[str, ...], reduce: str) -> str:
+    """Why this layout reduces per microbatch ("" if it need not)."""
+    layout = plan.layout
+    if layout.explicit:
+        return "Explicit mesh axes put sharding in the types, which the vmap over rows does not follow"
+    for axis in ("sequence", "expert"):
+        if layout.size(axis) > 1:
+            return f"{axis}={layout.size(axis)} splits more than the rows"
+    if not axes:
+        return "no mesh axis splits the rows, so there is nothing to reduce"
+    splitting = sorted(
+        {
+            a
+            for spec in jax.tree.leaves(plan.grad_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+            for entry in spec
+            for a in entry_axes(entry)
+            if a in axes
+        }
+    )
+    if splitting and reduce == "auto":
+        what = "gradients (ZeRO-2)" if plan.zero >= 2 else "parameters"
+        return (
+            f"the {what} are split over {'+'.join(splitting)}, so reducing once would keep whole fp32 "
+            "gradients on every device through the loop (reduce_gradients='once' trades that memory for one "
+            "reduce-scatter per step)"
+        )
+    return ""
+
+
+def _traced_reason(
+    model: Model,
+    loss: LossFn,
+    precision: Precision,
+    plan: ShardingPlan,
+    params: Params,
+    batch: Batch,
+    key: jax.Array,
+    microbatches: int,
+    axes: tuple[str, ...],
+) -> str:
+    """Why the model, as traced on one microbatch, must be reduced per microbatch ("" if not)."""
+    split = lambda spec: tuple(a for a in entry_axes(spec[0]) if plan.mesh.shape[a] > 1) if len(spec) else ()
+    if {split(spec) for spec in plan.batch_specs(batch).values()} != {axes}:
+        return "the batch entries are not all split by rows over the batch axes"
+    outputs: list[Any] = []
+
+    def forward_loss(p: Params, mb: Batch, k: jax.Array) -> Any:
+        compute = precision.cast_for_compute(p)
+
+        def forward(inputs: Any) -> Any:
+            out = model.apply(compute, inputs, k)
+            outputs.append(out)
+            return out
+
+        return loss(forward, mb)
+
+    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    micro = {
+        name: jax.ShapeDtypeStruct((x.shape[0] // microbatches, *x.shape[1:]), x.dtype) for name, x in batch.items()
+    }
+    jaxpr = jax.make_jaxpr(forward_loss)(jax.tree.map(shape, params), micro, shape(key))
+    if outputs and isinstance(outputs[0], tuple):
+        return (
+            "the model returns an auxiliary loss (a mixture of experts' load balance), a statistic of the whole batch"
+        )
+    if any(eqn.primitive.name in _RANDOM for eqn in _equations(jaxpr.jaxpr)):
+        return "the model draws random bits itself (nnx.Dropout, jax.random), which a vmap over rows would repeat"
+    return ""
+
+
+def _equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of ``jaxpr`` and of the programs inside it, except shardkit's dropout draws."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name == "custom_vmap_call":
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)

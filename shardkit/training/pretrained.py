@@ -1,0 +1,88 @@
+"""Start training from a Hugging Face checkpoint: a GPT, its trainer and its state in one call."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import optax
+
+from shardkit.core.mesh import Layout
+from shardkit.core.state import TrainState
+from shardkit.models import hf
+from shardkit.models.gpt import GPTConfig
+from shardkit.training.train import Trainer
+
+_MODEL_FIELDS = (
+    "param_dtype",
+    "dtype",
+    "scan_layers",
+    "scan_unroll",
+    "remat",
+    "dropout",
+    "attention",
+    "max_seq",
+    "aux_loss_weight",
+    "capacity_factor",
+    "moe_dropless",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    """A checkpoint made trainable: its ``trainer``, the ``state`` holding its weights, the GPT
+    ``config`` and the checkpoint's own ``hf_config``."""
+
+    trainer: Trainer
+    state: TrainState
+    config: GPTConfig
+    hf_config: Mapping[str, Any]
+
+    def save(self, params: Any, directory: str | os.PathLike[str]) -> pathlib.Path:
+        """Write ``params`` (``state.params`` after training) back in the checkpoint's format,
+        keeping its ``config.json``'s other keys (see :func:`shardkit.models.hf.save_pretrained`)."""
+        return hf.save_pretrained(params, self.config, directory, base_config=self.hf_config)
+
+
+def from_pretrained(
+    path: str | os.PathLike[str],
+    layout: Layout | str | Mapping[str, int] = "data=-1",
+    optimizer: optax.GradientTransformation | None = None,
+    *,
+    seed: int = 0,
+    **options: Any,
+) -> Pretrained:
+    """A trainer of shardkit's GPT and a state holding a Hugging Face checkpoint's weights: Llama 2/3.x,
+    Mistral, Mixtral, Qwen2/2.5, Qwen3, Gemma 2 or Gemma 3 (:mod:`shardkit.models.hf_config`).
+
+    Every parameter is read straight into its shards: each process reads only the blocks of the
+    ``.safetensors`` tensors its devices hold, so no host ever holds the whole model.
+
+    Args:
+      path: a Hugging Face model directory (``config.json`` and ``*.safetensors``).
+      layout: the mesh layout, as for :class:`~shardkit.Trainer`.
+      optimizer: the optax transformation (default ``adamw(1e-5)``, a fine-tuning rate).
+      seed: the dropout seed.
+      **options: GPTConfig fields that say how to train (``param_dtype``, ``dtype``,
+        ``scan_layers``, ``scan_unroll``, ``remat``, ``dropout``, ``attention``, ``max_seq``,
+        ``aux_loss_weight``; ``moe_dropless``/``capacity_factor`` to route as shardkit's MoE does);
+        everything else goes to the Trainer.
+
+    Returns:
+      A :class:`Pretrained`: ``.trainer``, ``.state``, ``.config``, ``.hf_config``, ``.save()``.
+
+    Example:
+      >>> run = sk.from_pretrained("llama-tiny/", layout="fsdp=8")  # doctest: +SKIP
+      >>> state, metrics = run.trainer.step(run.state, run.trainer.shard_batch(batch))  # doctest: +SKIP
+      >>> run.save(state.params, "llama-tiny-tuned/")  # doctest: +SKIP
+    """
+    hf_config = hf.read_config(path)
+    model_options = {k: options.pop(k) for k in _MODEL_FIELDS if k in options}
+    cfg: GPTConfig = hf.gpt_config(hf_config, **model_options)
+    model = cfg.model(name=str(hf_config.get("model_type", "GPT")))
+    trainer = Trainer(model, optimizer if optimizer is not None else optax.adamw(1e-5), layout, **options)
+    params = hf.load_params(path, cfg, trainer.state_shardings.params)
+    return Pretrained(trainer, trainer.init(seed, params=params), cfg, hf_config)
