@@ -14,7 +14,7 @@ from flax import nnx
 
 import shardkit as sk
 from shardkit.core.errors import ModelError
-from shardkit.models.model import stream_values
+from shardkit.models.nnx_adapter import stream_values
 
 RATE, LR, STEPS = 0.3, 0.05, 3
 

@@ -13,7 +13,6 @@ collective-permute ``S``.
 from __future__ import annotations
 
 import collections
-import functools
 import math
 import re
 import tempfile
@@ -87,72 +86,79 @@ def collective_stats(
     found = hlo.collectives(program)
     if partitioned_text is not None:
         found = partitioned.at_partitioner_dtypes(found, partitioned_text)
-    sliced, stacked, only_sliced = hlo_uses.sliced_results(program)
-    mesh_shape = dict(mesh.shape)
+    reading = _ScatterReading(program, dict(mesh.shape), param_specs, param_shapes)
     host_of = [d.process_index for d in mesh.devices.flat]
-    specs = (
-        jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)) if param_specs else []
-    )
-    shapes = [tuple(x.shape) for x in jax.tree.leaves(param_shapes)] if param_shapes else []
-    param_axes = {a for spec in specs for entry in spec for a in entry_axes(entry)}
-
-    @functools.cache
-    def gradient_shapes(axes: tuple[str, ...]) -> frozenset[tuple[int, ...]]:
-        """Local gradient shapes while still whole along ``axes`` (and per layer, without dim 0),
-        also as the matrices a layer may multiply by, either way round (its weight's leading
-        dimensions merged, and its trailing ones: the gradient is reduced in that shape)."""
-        out = set()
-        for spec, shape in zip(specs, shapes, strict=True):
-            entries = tuple(spec) + (None,) * (len(shape) - len(spec))
-            local = tuple(
-                d // math.prod(mesh_shape[a] for a in entry_axes(e) if a not in axes)
-                for d, e in zip(shape, entries, strict=True)
-            )
-            for dims in (local, local[1:]):
-                out.add(dims)
-                for k in range(1, len(dims)):
-                    rows, cols = math.prod(dims[:k]), math.prod(dims[k:])
-                    out.update({(rows, cols), (cols, rows)})
-        return frozenset(out)
-
-    groups: dict[tuple[Any, ...], list[Any]] = collections.defaultdict(list)
+    groups: dict[tuple[Any, ...], list[tuple[int, int]]] = collections.defaultdict(list)
     for c in found:
         axes = hlo.mesh_axes_of(c.groups, mesh)
         n = c.group_size or 1
         op, direction = source_op(c.op_name)
-        kind, lowered = c.kind, ""
-        grads = gradient_shapes(tuple(axes))
-        gradient_scatter = (
-            c.kind == "all-reduce"
-            and direction == "backward"
-            and axes
-            and set(axes) <= param_axes
-            and (c.name in sliced or c.name in stacked)
-            and any(shape in grads or _without_leading_ones(shape) in grads for shape in c.shapes)
-        )
-        if gradient_scatter or (c.kind == "all-reduce" and axes and only_sliced.get(c.name) == n):
-            kind, lowered = "reduce-scatter", "all-reduce+dynamic-slice"
+        kind, lowered = reading.kind_of(c, tuple(axes), direction, n)
         payload = c.payload_bytes * (n if c.kind == "reduce-scatter" else 1)
         crosses = any(len({host_of[i] for i in g if i < len(host_of)}) > 1 for g in c.groups)
         groups[(kind, axes, op, direction, n, lowered, crosses, c.asynchronous)].append((c.executions, payload))
+    return _aggregated(groups)
+
+
+class _ScatterReading:
+    """Which all-reduces of a compiled module stand for reduce-scatters (see :func:`collective_stats`):
+    the CPU backend's spelling, an all-reduce whose result each device slices."""
+
+    def __init__(self, program: Any, mesh_shape: dict[str, int], param_specs: Any, param_shapes: Any):
+        self.sliced, self.stacked, self.only_sliced = hlo_uses.sliced_results(program)
+        self.mesh_shape = mesh_shape
+        is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+        self.specs = jax.tree.leaves(param_specs, is_leaf=is_spec) if param_specs else []
+        self.shapes = [tuple(x.shape) for x in jax.tree.leaves(param_shapes)] if param_shapes else []
+        self.param_axes = {a for spec in self.specs for entry in spec for a in entry_axes(entry)}
+        self._gradient_shapes: dict[tuple[str, ...], frozenset[tuple[int, ...]]] = {}
+
+    def kind_of(self, c: Any, axes: tuple[str, ...], direction: str, n: int) -> tuple[str, str]:
+        """``(kind, lowered as)`` of one collective: ``("reduce-scatter", "all-reduce+dynamic-slice")``
+        for an all-reduce that stands for one, its own kind otherwise."""
+        if c.kind != "all-reduce" or not axes:
+            return c.kind, ""
+        if self.only_sliced.get(c.name) == n:
+            return "reduce-scatter", "all-reduce+dynamic-slice"
+        grads = self.gradient_shapes(axes)
+        gradient_scatter = (
+            direction == "backward"
+            and set(axes) <= self.param_axes
+            and (c.name in self.sliced or c.name in self.stacked)
+            and any(shape in grads or _without_leading_ones(shape) in grads for shape in c.shapes)
+        )
+        return ("reduce-scatter", "all-reduce+dynamic-slice") if gradient_scatter else (c.kind, "")
+
+    def gradient_shapes(self, axes: tuple[str, ...]) -> frozenset[tuple[int, ...]]:
+        """Local gradient shapes while still whole along ``axes`` (and per layer, without dim 0),
+        also as the matrices a layer may multiply by, either way round (its weight's leading
+        dimensions merged, and its trailing ones: the gradient is reduced in that shape)."""
+        if axes not in self._gradient_shapes:
+            out = set()
+            for spec, shape in zip(self.specs, self.shapes, strict=True):
+                entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+                local = tuple(
+                    d // math.prod(self.mesh_shape[a] for a in entry_axes(e) if a not in axes)
+                    for d, e in zip(shape, entries, strict=True)
+                )
+                for dims in (local, local[1:]):
+                    out.add(dims)
+                    for k in range(1, len(dims)):
+                        rows, cols = math.prod(dims[:k]), math.prod(dims[k:])
+                        out.update({(rows, cols), (cols, rows)})
+            self._gradient_shapes[axes] = frozenset(out)
+        return self._gradient_shapes[axes]
+
+
+def _aggregated(groups: Mapping[tuple[Any, ...], list[tuple[int, int]]]) -> list[CollectiveStat]:
+    """One :class:`CollectiveStat` per group of ``(executions, payload bytes)``, sorted."""
     stats = []
     for (kind, axes, op, direction, n, lowered, crosses, asynchronous), items in groups.items():
         count = sum(e for e, _ in items)
         total = sum(e * p for e, p in items)
+        per_execution, moved = total // max(count, 1), moved_bytes(kind, total, n)
         stats.append(
-            CollectiveStat(
-                kind,
-                axes,
-                op,
-                direction,
-                count,
-                n,
-                total // max(count, 1),
-                moved_bytes(kind, total, n),
-                lowered,
-                crosses,
-                asynchronous,
-            )
+            CollectiveStat(kind, axes, op, direction, count, n, per_execution, moved, lowered, crosses, asynchronous)
         )
     return sorted(stats, key=lambda c: (c.kind, c.axes, c.op))
 

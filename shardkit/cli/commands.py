@@ -292,92 +292,133 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``shardkit`` command: parse, run one subcommand, and turn a ``ShardkitError`` into its
+    message and exit status 2.
+
+    Returns:
+      The exit status (128 + the signal for a run stopped by SIGTERM/SIGINT).
+    """
     try:
         if argv is None:  # the command itself, not a call from Python
             from shardkit.runtime.host_allocator import restart_with_huge_pages
 
             restart_with_huge_pages()  # glibc reads its tunables at start: CPU steps map huge pages
         args = parse(argv)
-        if args.command == "launch":
-            from shardkit.runtime.launch import launch
-
-            command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-            return launch(
-                command,
-                args.nproc,
-                args.devices_per_proc,
-                port=args.port,
-                nnodes=args.nnodes,
-                node_rank=args.node_rank,
-                coordinator=args.coordinator,
-                grace_s=args.grace,
-                verbose=args.verbose,
-            )
-        if args.command == "train":
-            from shardkit.runtime import distributed
-            from shardkit.runtime.xla_flags import use_overlap_flags
-
-            use_overlap_flags()  # GPUs overlap collectives with compute; the CPU ignores these flags
-            if distributed.initialize() is None:  # joins the other processes when launched as several
-                _use_simulated_devices_if_no_accelerator(_devices_for(args.layout, args.devices))
-            from shardkit.cli.run import train
-
-            cfg = config_from(TrainConfig, args)
-            result = train(cfg)
-            if "stopped_by" in result:  # SIGTERM/SIGINT: saved and stopped, exit as if killed by it
-                return 128 + int(result["stopped_by"])
-        elif args.command == "export":
-            from shardkit.cli.saved_run import export_checkpoint
-
-            export_checkpoint(config_from(TrainConfig, args), args.out, args.step)
-        elif args.command == "eval":
-            from shardkit.runtime import distributed
-
-            if distributed.initialize() is None:
-                _use_simulated_devices_if_no_accelerator(_devices_for(args.layout, args.devices))
-            from shardkit.cli.saved_run import eval_checkpoint
-
-            result = eval_checkpoint(config_from(TrainConfig, args), args.step)
-            if args.json:
-                print(json.dumps(result))
-        elif args.command == "tokenizer":
-            from shardkit.io.data import builtin_corpus, load_text
-            from shardkit.io.tokenizer import train_bpe
-
-            text = load_text(args.data) if args.data else builtin_corpus()
-            tok = train_bpe(text, args.vocab, args.out)
-            per = len(tok.encode(text[:100_000].decode("utf-8", errors="replace")).ids) / len(text[:100_000])
-            print(f"wrote {args.out}: byte-level BPE, vocab {tok.get_vocab_size()}, {per:.2f} tokens per byte")
-        elif args.command == "plan":
-            from shardkit.plan import run_cli as plan_cli
-
-            _check_device_count(args.devices)  # JAX is not started here: the planner compiles in worker processes
-            plan_cli(args)
-        elif args.command in ("dryrun", "inspect"):
-            from shardkit.analysis.extrapolate import MAX_COMPILED_DEVICES
-            from shardkit.plan.dryrun import DryRunConfig
-
-            cfg = config_from(DryRunConfig, args)
-            if cfg.num_devices() > MAX_COMPILED_DEVICES and args.command == "inspect":
-                raise LayoutError(
-                    f"inspect compiles the whole program, at most {MAX_COMPILED_DEVICES} devices on CPU; "
-                    f"{cfg.layout} has {cfg.num_devices():,}. Fix: shardkit dryrun, which extrapolates past the limit."
-                )
-            if cfg.num_devices() <= MAX_COMPILED_DEVICES:  # beyond it the dry run compiles in subprocesses
-                _simulate_exactly(cfg.num_devices())
-            if args.command == "dryrun":
-                from shardkit.analysis.hardware import DEFAULT_HARDWARE, get_hardware
-                from shardkit.plan.dryrun import run_cli
-
-                hardware = args.hardware or DEFAULT_HARDWARE
-                get_hardware(hardware)  # an unknown name is refused before the compile
-                run_cli(cfg, args.json, hardware)
-            else:
-                _inspect(cfg, args.json)
+        return SUBCOMMANDS[args.command](args)
     except ShardkitError as e:
         print(f"shardkit: error: {e}", file=sys.stderr)
         return 2
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from shardkit.runtime.launch import launch
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    return launch(
+        command,
+        args.nproc,
+        args.devices_per_proc,
+        port=args.port,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        coordinator=args.coordinator,
+        grace_s=args.grace,
+        verbose=args.verbose,
+    )
+
+
+def _join_or_simulate(args: argparse.Namespace) -> None:
+    """Join the other processes when launched as several; else simulate the layout's devices
+    where no accelerator is present."""
+    from shardkit.runtime import distributed
+
+    if distributed.initialize() is None:
+        _use_simulated_devices_if_no_accelerator(_devices_for(args.layout, args.devices))
+
+
+def _train(args: argparse.Namespace) -> int:
+    from shardkit.runtime.xla_flags import use_overlap_flags
+
+    use_overlap_flags()  # GPUs overlap collectives with compute; the CPU ignores these flags
+    _join_or_simulate(args)
+    from shardkit.cli.run import train
+
+    result = train(config_from(TrainConfig, args))
+    # SIGTERM/SIGINT: saved and stopped, exit as if killed by it
+    return 128 + int(result["stopped_by"]) if "stopped_by" in result else 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from shardkit.cli.saved_run import export_checkpoint
+
+    export_checkpoint(config_from(TrainConfig, args), args.out, args.step)
     return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    _join_or_simulate(args)
+    from shardkit.cli.saved_run import eval_checkpoint
+
+    result = eval_checkpoint(config_from(TrainConfig, args), args.step)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _tokenizer(args: argparse.Namespace) -> int:
+    from shardkit.io.data import builtin_corpus, load_text
+    from shardkit.io.tokenizer import train_bpe
+
+    text = load_text(args.data) if args.data else builtin_corpus()
+    tok = train_bpe(text, args.vocab, args.out)
+    per = len(tok.encode(text[:100_000].decode("utf-8", errors="replace")).ids) / len(text[:100_000])
+    print(f"wrote {args.out}: byte-level BPE, vocab {tok.get_vocab_size()}, {per:.2f} tokens per byte")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from shardkit.plan import run_cli as plan_cli
+
+    _check_device_count(args.devices)  # JAX is not started here: the planner compiles in worker processes
+    plan_cli(args)
+    return 0
+
+
+def _dryrun_or_inspect(args: argparse.Namespace) -> int:
+    from shardkit.analysis.extrapolate import MAX_COMPILED_DEVICES
+    from shardkit.plan.dryrun import DryRunConfig
+
+    cfg = config_from(DryRunConfig, args)
+    if cfg.num_devices() > MAX_COMPILED_DEVICES and args.command == "inspect":
+        raise LayoutError(
+            f"inspect compiles the whole program, at most {MAX_COMPILED_DEVICES} devices on CPU; "
+            f"{cfg.layout} has {cfg.num_devices():,}. Fix: shardkit dryrun, which extrapolates past the limit."
+        )
+    if cfg.num_devices() <= MAX_COMPILED_DEVICES:  # beyond it the dry run compiles in subprocesses
+        _simulate_exactly(cfg.num_devices())
+    if args.command == "inspect":
+        _inspect(cfg, args.json)
+        return 0
+    from shardkit.analysis.hardware import DEFAULT_HARDWARE, get_hardware
+    from shardkit.plan.dryrun import run_cli
+
+    hardware = args.hardware or DEFAULT_HARDWARE
+    get_hardware(hardware)  # an unknown name is refused before the compile
+    run_cli(cfg, args.json, hardware)
+    return 0
+
+
+# Each subcommand's step: (parsed arguments) -> exit status.
+SUBCOMMANDS = {
+    "launch": _launch,
+    "train": _train,
+    "export": _export,
+    "eval": _eval,
+    "tokenizer": _tokenizer,
+    "plan": _plan,
+    "dryrun": _dryrun_or_inspect,
+    "inspect": _dryrun_or_inspect,
+}
 
 
 if __name__ == "__main__":

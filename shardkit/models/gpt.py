@@ -28,7 +28,8 @@ from shardkit.core.errors import ModelError, short_repr
 from shardkit.core.partition import constrain, constrain_to, current_rules, free_mesh_shape, logical, without_axes
 from shardkit.core.rules import resolve
 from shardkit.models.dropout import dropout
-from shardkit.models.model import Model, from_nnx
+from shardkit.models.model import Model
+from shardkit.models.nnx_adapter import from_nnx
 from shardkit.models.rope import RopeScaling, angles, inverse_frequencies
 from shardkit.parallel.experts import MoE
 from shardkit.parallel.ring_attention import ring_attention

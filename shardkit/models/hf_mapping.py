@@ -7,8 +7,8 @@ joins tensors along a dimension, :func:`stack` on a new leading one. The mapping
 same views the GPT import uses (:mod:`shardkit.models.hf_views`), so each parameter is born
 sharded and each process reads only the blocks of the tensors its own devices hold.
 
-Example (two rules of ``examples/byo_models.py``'s ``GemmaLM``; the whole mapping is in the
-README, section "Into your own model")::
+Example (two rules of ``examples/byo_models.py``'s ``GemmaLM``; the whole mapping is in
+``docs/guides/checkpoints-and-hugging-face.md``, "Into your own model")::
 
     from shardkit.models.hf_mapping import Mapping, stack, tensor
 

@@ -4,15 +4,15 @@ A :class:`Model` is a pure ``init(key) -> params`` and ``apply(params, inputs, k
 over a plain params pytree (nested dicts of arrays), plus the logical axis names of every
 parameter. A model that keeps state besides its parameters (``nnx.BatchNorm``'s running
 statistics, Linen's ``batch_stats``) has ``state_init`` and ``state_apply`` instead of a usable
-``apply``; :func:`apply_model` calls either kind. :func:`from_nnx`, :func:`from_linen` and
-:func:`annotate` (regex rules) build one.
+``apply``; :func:`apply_model` calls either kind. The adapters build one:
+:func:`shardkit.models.nnx_adapter.from_nnx`, :func:`shardkit.models.linen_adapter.from_linen`,
+and :func:`annotate` (regex rules) on either, or :func:`from_functions` on plain JAX functions.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import inspect
 import math
 import re
 import warnings
@@ -20,13 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-from flax import errors as flax_errors
-from flax import linen as nn
-from flax import nnx
 
 from shardkit.core.errors import ModelError, short_repr
-from shardkit.core.partition import Axes, RegexRule, linen_axes, nnx_axes, path_str, regex_axes
-from shardkit.models.boundaries import batch_in_flight, constrain_outputs, linen_boundaries, nnx_boundaries
+from shardkit.core.partition import Axes, RegexRule, path_str, regex_axes
 
 Params = Any
 
@@ -110,52 +106,7 @@ def with_axis_names(fn: Callable[..., Any], names: Sequence[str]) -> Callable[..
     return bound
 
 
-_UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s.,;]+)")
-_MISSING_RNG = re.compile(r'needs PRNG for "([^"]+)"')
-
-
-def names_needed(
-    trace: Callable[[Sequence[str], Sequence[str]], Any], label: str
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The named axes and the RNG streams ``trace(axis_names, rng_names)`` needs: it is run with
-    none, then with each name its errors report missing added (an unbound axis ``NameError``,
-    Flax's ``InvalidRngError``), until it traces. A Linen module shows both only when it runs
-    (``BatchNorm(axis_name=...)``, ``self.make_rng("noise")``).
-
-    Returns:
-      ``(axis_names, rng_names)``, each in the order found.
-    """
-    axes: list[str] = []
-    rngs: list[str] = []
-    for _ in range(16):
-        try:
-            trace(tuple(axes), tuple(rngs))
-            return tuple(axes), tuple(rngs)
-        except (NameError, flax_errors.InvalidRngError) as e:
-            pattern, found_in = (_UNBOUND_AXIS, axes) if isinstance(e, NameError) else (_MISSING_RNG, rngs)
-            found = pattern.search(str(e))
-            if found is None or found.group(1) in found_in:
-                raise
-            found_in.append(found.group(1))
-    raise ModelError(
-        f"Model {label} needs more than 16 named axes and RNG streams ({axes}, {rngs}); shardkit provides up to 16."
-    )
-
-
-def linen_rngs(key: jax.Array, names: Sequence[str]) -> dict[str, jax.Array]:
-    """The RNG streams of a Linen call: ``dropout`` is the step's key, and each other stream the
-    module asks for (``self.make_rng("noise")``) is ``fold_in(key, i + 1)``, ``i`` its place in
-    ``names``.
-
-    Example:
-      >>> import jax
-      >>> sorted(linen_rngs(jax.random.key(0), ["noise"]))
-      ['dropout', 'noise']
-    """
-    return {"dropout": key, **{name: jax.random.fold_in(key, i + 1) for i, name in enumerate(names)}}
-
-
-def _stateful_apply(label: str) -> Callable[[Params, Any, jax.Array | None], Any]:
+def refusing_apply(label: str) -> Callable[[Params, Any, jax.Array | None], Any]:
     """``Model.apply`` of a model with state: refuses, naming the call that takes the state."""
 
     def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
@@ -230,378 +181,12 @@ class Stages:
     n_layers: int
 
 
-LINEN_EVAL_WRITES = """\
-Model {name} writes its state {collections} when evaluated: {error}
-Fix: give the flag that makes it read its running statistics, as eval_kwargs={{'train': False}}
-(and train_kwargs={{'train': True}}), with your argument's name.
-"""
-
-
-def from_nnx(
-    make: Callable[[nnx.Rngs], nnx.Module] | nnx.Module,
-    *,
-    name: str | None = None,
-    info: Mapping[str, Any] | None = None,
-    stacked_layers: str | None = None,
-    boundaries: bool = True,
-    train_kwargs: Mapping[str, Any] | None = None,
-    eval_kwargs: Mapping[str, Any] | None = None,
-) -> Model:
-    """Wrap a Flax NNX model.
-
-    Pass a constructor ``rngs -> module`` so that parameters are created already sharded, inside
-    a jitted init (an existing module instance also works: its values are resharded from where
-    they are). The module's ``__call__(inputs, rngs=None)`` gets ``rngs`` (:func:`nnx_rngs`) when
-    the step has a key, if it accepts ``rngs``. RNG streams the module stores, as Flax's own
-    examples write dropout (``nnx.Dropout(0.1, rngs=rngs)``), are not training state: at each
-    call stream ``i`` is keyed ``fold_in(key, i)`` (:func:`stream_values`), so the bits depend on
-    the seed and the step, not on the layout. Without a key (evaluation) any module runs as
-    ``nnx.view(module, deterministic=True)``, as ``model.eval()`` would; in a training step
-    submodules that leave ``deterministic`` unset get ``False``, as after ``model.train()``.
-    Other variables (``nnx.BatchNorm``'s running statistics, any ``nnx.Variable`` that is not a
-    parameter) are the model's state (:attr:`Model.state_init`): a training step updates them
-    (``use_running_average`` left unset becomes False, as after ``model.train()``) and evaluation
-    reads them (``use_running_average=True``, as after ``model.eval()``). A module whose
-    ``__call__`` takes a flag (``train: bool``) gets ``train_kwargs`` in a training step and
-    ``eval_kwargs`` when evaluated, as :func:`from_linen` does.
-
-    Shardings come from the parameters' metadata: :func:`shardkit.logical` names, or Flax's own
-    ``nnx.with_partitioning`` names (mesh axes are used as such, other names resolve through
-    the rules; see :mod:`shardkit.core.partition`).
-
-    With ``boundaries`` (the default) every submodule call runs in a named scope of its path and
-    its batched outputs are constrained (:mod:`shardkit.models.boundaries`), so a model that constrains
-    none of its activations still gets the layout's collectives (ZeRO-3 under ``fsdp``). A
-    model that constrains its own activations everywhere may turn it off.
-
-    Pipeline parallelism needs to know where the layers are: pass ``stacked_layers``, the
-    attribute holding the layers stacked along a leading ``layers`` axis (``nnx.vmap``), and give
-    the module three methods that compose to ``__call__``: ``embed_inputs(inputs, key)``,
-    ``run_layers(x, key, first_layer) -> (x, aux_loss)`` and ``head(x)``, where ``key`` is the
-    one dropout key ``__call__`` draws from its ``rngs`` (see :class:`shardkit.models.GPT`).
-
-    Example:
-      >>> import shardkit as sk
-      >>> model = sk.from_nnx(lambda rngs: sk.models.MLP(sk.models.MLPConfig(), rngs=rngs))
-    """
-    if not (isinstance(make, nnx.Module) or callable(make)):
-        raise ModelError(
-            f"from_nnx takes a function of rngs that builds the module (lambda rngs: MyModel(..., rngs=rngs)) or a "
-            f"module, got {short_repr(make)}."
-        )
-    instance = make if isinstance(make, nnx.Module) else None
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: instance if instance is not None else make(nnx.Rngs(0)))
-    graphdef, abstract_params, abstract_streams, rest = nnx.split(abstract, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
-    label = name or type(abstract).__name__
-    kept = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0]  # the model's state
-    kinds = nnx.Any(*{type(v) for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))})
-    streams = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract_streams))[0]
-    for what, found, fix in (
-        ("RNG streams", streams, "take `rngs` in __call__ and pass it on (nnx.Dropout(...)(x, rngs=rngs))"),
-        ("state besides its parameters", kept, "normalize without running statistics (nnx.LayerNorm, nnx.RMSNorm)"),
-    ):
-        if found and stacked_layers is not None:
-            raise ModelError(
-                f"Model {label} stores {what} ({path_str(found[0][0])}), which pipeline stages cannot split. "
-                f"Fix: {fix}, or drop stacked_layers and the stage axis."
-            )
-    takes_rngs = "rngs" in inspect.signature(type(abstract).__call__).parameters
-    training, evaluating = _call_kwargs(label, train_kwargs, eval_kwargs)
-
-    def init(key: jax.Array) -> Params:
-        if instance is not None:
-            return nnx.to_pure_dict(nnx.state(instance, nnx.Param))
-        with nnx.use_eager_sharding(False):
-            module = make(nnx.Rngs(key))
-        return nnx.to_pure_dict(nnx.state(module, nnx.Param))
-
-    def call(module: nnx.Module, inputs: Any, key: jax.Array | None) -> Any:
-        kwargs = evaluating if key is None else training
-        if takes_rngs:
-            return module(inputs, rngs=None if key is None else nnx_rngs(key), **kwargs)
-        return module(inputs, **kwargs)
-
-    def run(params: Params, state: Any, inputs: Any, key: jax.Array | None) -> tuple[Any, nnx.Module]:
-        values = [params, *([stream_values(streams, key)] if streams else []), *([state] if kept else [])]
-        module = nnx.merge(graphdef, *values)
-        if key is None:  # no key, no randomness, the running statistics read: as model.eval() would
-            module = nnx.view(module, deterministic=True, use_running_average=True, raise_if_not_found=False)
-        else:
-            _train_unset(module)
-        if not boundaries:
-            return call(module, inputs, key), module
-        with batch_in_flight(inputs), nnx_boundaries(module):
-            return constrain_outputs(call(module, inputs, key), (inputs,)), module
-
-    names = _nnx_axis_names(abstract)
-
-    def apply(params: Params, inputs: Any, key: jax.Array | None) -> Any:
-        return with_axis_names(lambda p, x, k: run(p, None, x, k)[0], names)(params, inputs, key)
-
-    def state_init(key: jax.Array) -> Any:
-        if instance is not None:
-            return nnx.to_pure_dict(nnx.state(instance, kinds))
-        with nnx.use_eager_sharding(False):
-            module = make(nnx.Rngs(key))
-        return nnx.to_pure_dict(nnx.state(module, kinds))
-
-    def stateful_call(params: Params, state: Any, inputs: Any, key: jax.Array | None) -> tuple[Any, Any]:
-        outputs, module = run(params, state, inputs, key)
-        if key is None:
-            return outputs, state
-        new = nnx.to_pure_dict(nnx.state(module, kinds))
-        if _paths(new) != _paths(state):
-            raise ModelError(
-                f"Model {label} changed the structure of its state during a call (variables added or removed). "
-                "Fix: create every non-parameter variable in __init__."
-            )
-        return outputs, new
-
-    state_apply = with_axis_names(stateful_call, names)
-
-    axes = _plain_dict(nnx_axes(abstract_params))
-    stages = None if stacked_layers is None else _nnx_stages(graphdef, abstract, stacked_layers, label)
-    if not kept:
-        return Model(init, apply, axes, label, dict(info or {}), stages, axis_names=names)
-    stateful = Model(init, _stateful_apply(label), axes, label, dict(info or {}), stages, axis_names=names)
-    return dataclasses.replace(stateful, state_init=state_init, state_apply=state_apply)
-
-
-def nnx_rngs(key: jax.Array) -> nnx.Rngs:
-    """The ``rngs`` an NNX ``__call__`` gets in a training step: a ``dropout`` stream keyed by the
-    step's key, and a default stream (``fold_in(key, 1)``) that serves any other name the module
-    draws from (``rngs.noise()``)."""
-    return nnx.Rngs(jax.random.fold_in(key, 1), dropout=key)
-
-
-def _nnx_axis_names(module: nnx.Module) -> tuple[str, ...]:
-    """The named axes that submodules reduce over (``nnx.BatchNorm(axis_name="batch")``, written
-    for ``pmap`` or ``shard_map``), in order of first appearance."""
-    names: list[str] = []
-    for _, sub in nnx.iter_modules(module):
-        given = vars(sub).get("axis_name")
-        for name in (given,) if isinstance(given, str) else given if isinstance(given, tuple) else ():
-            if isinstance(name, str) and name not in names:
-                names.append(name)
-    return tuple(names)
-
-
-_TRAIN_FLAGS = {"deterministic": False, "use_running_average": False}
-
-
-def _train_unset(module: nnx.Module) -> None:
-    """Set the mode flags that submodules leave unset (``None``) as ``model.train()`` would before a
-    training loop: ``deterministic=False`` (``nnx.MultiHeadAttention`` with dropout needs one or the
-    other) and ``use_running_average=False``; an explicit value stays. ``module`` is this call's
-    merged copy."""
-    for _, sub in nnx.iter_modules(module):
-        for flag, value in _TRAIN_FLAGS.items():
-            if vars(sub).get(flag, False) is None:
-                setattr(sub, flag, value)
-
-
-def stream_values(streams: Sequence[tuple[Any, Any]], key: jax.Array | None) -> dict[str, Any]:
-    """Values for an NNX module's stored RNG streams (``nnx.Dropout(..., rngs=rngs)``) at one call.
-
-    Stream ``i`` (ordered by its path, as a tuple of strings: ``("dropout1", "rngs")`` before
-    ``("dropout2", "rngs")``) gets the key ``fold_in(key, i)`` (split into one key per layer for
-    a stream of stacked layers, ``nnx.vmap``) and a count of 0, so a step's
-    random bits depend on the step's key alone, as when ``rngs`` are passed in: the streams are
-    not training state, and a restarted run draws what the first one drew.
-
-    Args:
-      streams: ``(path, abstract leaf)`` pairs of the module's ``nnx.RngState`` (flattened pure dict).
-      key: the call's key, or None (no randomness; any key will do, the module is deterministic).
-
-    Returns:
-      A nested pure dict for ``nnx.merge``.
-
-    Example:
-      >>> import jax
-      >>> from flax import nnx
-      >>> abstract = nnx.eval_shape(lambda: nnx.Dropout(0.5, rngs=nnx.Rngs(0)))
-      >>> pairs = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(abstract, nnx.RngState)))[0]
-      >>> sorted(stream_values(pairs, jax.random.key(1))["rngs"])
-      ['count', 'key']
-    """
-    if key is None:
-        key = jax.random.key(0)
-    elif not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(key)
-    owner = [tuple(str(p.key) for p in path[:-1]) for path, _ in streams]  # the stream of each leaf
-    index = {o: i for i, o in enumerate(sorted(set(owner)))}
-    values: dict[str, Any] = {}
-    for (path, leaf), stream in zip(streams, owner, strict=True):
-        if path[-1].key == "count":
-            value = jax.numpy.zeros(leaf.shape, leaf.dtype)
-        else:
-            value = jax.random.fold_in(key, index[stream])
-            if leaf.shape:  # a stream of stacked layers (nnx.vmap, nnx.split_rngs): one key per layer
-                value = jax.random.split(value, math.prod(leaf.shape)).reshape(leaf.shape)
-            if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-                value = jax.random.key_data(value)
-        node = values
-        for part in path[:-1]:
-            node = node.setdefault(part.key, {})
-        node[path[-1].key] = value
-    return values
-
-
-def _nnx_stages(graphdef: Any, abstract: nnx.Module, layers: str, label: str) -> Stages:
-    """The pipeline pieces of an NNX module that follows the protocol in :func:`from_nnx`."""
-    missing = [m for m in ("embed_inputs", "run_layers", "head") if not callable(getattr(abstract, m, None))]
-    held = getattr(abstract, layers, None)
-    leaves = jax.tree.leaves(nnx.to_pure_dict(nnx.state(held, nnx.Param))) if isinstance(held, nnx.Module) else []
-    if missing or not leaves:
-        raise ModelError(
-            f"Model {label} cannot be split into pipeline stages: "
-            + (f"it lacks the method(s) {', '.join(missing)}" if missing else f"it has no stacked layers at {layers!r}")
-            + ". Fix: stack the layers with nnx.vmap in one attribute and define embed_inputs, run_layers and "
-            "head (see shardkit.models.GPT), or drop the stage axis from the layout."
-        )
-
-    def base_key(key: jax.Array | None) -> jax.Array | None:
-        return None if key is None else nnx.Rngs(dropout=key).dropout()  # what __call__ draws
-
-    def embed(params: Params, inputs: Any, key: jax.Array | None) -> jax.Array:
-        return nnx.merge(graphdef, params).embed_inputs(inputs, base_key(key))
-
-    def body(params: Params, x: jax.Array, key: jax.Array | None, first: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return nnx.merge(graphdef, params).run_layers(x, base_key(key), first)
-
-    def head(params: Params, x: jax.Array) -> Any:
-        return nnx.merge(graphdef, params).head(x)
-
-    return Stages(layers, embed, body, head, int(leaves[0].shape[0]))
-
-
-def _paths(tree: Any) -> list[str]:
+def leaf_paths(tree: Any) -> list[str]:
     """The leaves' paths of ``tree``, in order: two trees of the same structure have the same."""
     return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def _plain_dict(tree: Any) -> Any:
-    """An NNX ``State`` (a mapping) as nested plain dicts, leaves unchanged."""
-    if isinstance(tree, Mapping):
-        return {k: _plain_dict(v) for k, v in tree.items()}
-    return tree
-
-
-def from_linen(
-    module: nn.Module,
-    *example_inputs: Any,
-    name: str | None = None,
-    info: Mapping[str, Any] | None = None,
-    boundaries: bool = True,
-    train_kwargs: Mapping[str, Any] | None = None,
-    eval_kwargs: Mapping[str, Any] | None = None,
-) -> Model:
-    """Wrap a Flax Linen module.
-
-    Shardings come from its boxes: ``nn.with_logical_partitioning`` names resolve through the
-    rules; ``nn.with_partitioning`` names mesh axes, used as such.
-
-    Args:
-      module: the Linen module.
-      example_inputs: one input for ``module.init``, shaped like what the loss passes to the
-        model (shapes only matter; e.g. ``jnp.zeros((2, 16))``).
-      name: shown in tables.
-      info: facts reports use (see :class:`Model`); inferred from the parameters when absent.
-      boundaries: constrain every submodule's batched outputs (:mod:`shardkit.models.boundaries`).
-      train_kwargs: keyword arguments of ``__call__`` in a training step (and at ``init``), for a
-        module written as ``__call__(self, x, train: bool)``: ``{"train": True}``.
-      eval_kwargs: the same when evaluating (no dropout key): ``{"train": False}``.
-
-    Collections a training call reads and writes back (``nn.BatchNorm``'s ``batch_stats``) are the
-    model's state (:attr:`Model.state_init`): a training step applies the module with them
-    mutable and keeps what it wrote; evaluation reads them (give ``eval_kwargs`` that make the
-    module use its running averages, else evaluating raises ``ModelError``). Collections it only
-    appends to (``sow``) are dropped. Named axes a module written for ``pmap`` reduces over
-    (``nn.BatchNorm(axis_name="batch")``) are bound to axes of size 1 (:func:`with_axis_names`),
-    and RNG streams besides ``dropout`` (``self.make_rng("noise")``) are keyed from the step's key
-    (:func:`linen_rngs`); both are found by tracing ``init`` and one training call here.
-
-    Example:
-      >>> import flax.linen as nn, jax.numpy as jnp
-      >>> model = from_linen(nn.Dense(4), jnp.zeros((1, 8)))
-    """
-    label = name or type(module).__name__
-    training, evaluating = _call_kwargs(label, train_kwargs, eval_kwargs)
-    if len(example_inputs) != 1:
-        raise ModelError(
-            f"from_linen({label}, ...) takes one example input, shaped like what the loss passes to the model; got "
-            f"{len(example_inputs)}. Fix: give other arguments of __call__ by keyword, as train_kwargs={{'train': "
-            "True}, eval_kwargs={'train': False}."
-        )
-
-    streams: tuple[str, ...] = ()  # RNG streams besides dropout, found by the trace below
-
-    def init_all(key: jax.Array) -> Any:  # every collection
-        return module.init({"params": key, **linen_rngs(key, streams)}, *example_inputs, **training)
-
-    def call(variables: Any, inputs: Any, key: jax.Array | None, mutable: Sequence[str]) -> Any:
-        rngs = None if key is None else linen_rngs(key, streams)
-        kwargs = evaluating if key is None else training
-        if not boundaries:
-            return module.apply(variables, inputs, rngs=rngs, mutable=list(mutable) or False, **kwargs)
-        with batch_in_flight(inputs), linen_boundaries():
-            out = module.apply(variables, inputs, rngs=rngs, mutable=list(mutable) or False, **kwargs)
-            if mutable:
-                return constrain_outputs(out[0], (inputs,)), out[1]
-            return constrain_outputs(out, (inputs,))
-
-    traced: dict[str, Any] = {}
-
-    def trace(names: Sequence[str], rng_names: Sequence[str]) -> None:
-        """Every collection's shapes after init and after a training call that may write them all
-        (Flax's BatchNorm reaches its ``axis_name`` only when applied, not at init)."""
-        nonlocal streams
-        streams, key = tuple(rng_names), jax.random.key(0)
-        traced["variables"] = variables = jax.eval_shape(with_axis_names(init_all, names), key)
-        others = sorted(set(variables) - {"params"})
-        training_call = with_axis_names(lambda v: call(v, example_inputs[0], key, others), names)
-        out = jax.eval_shape(training_call, variables)  # run always: init need not reach every name
-        traced["updated"] = out[1] if others else {}
-
-    try:
-        names, streams = names_needed(trace, label)
-    except TypeError as e:
-        if "argument" not in str(e):
-            raise
-        raise ModelError(
-            f"{label}.init with the example input failed: {e}. Fix: pass the other arguments of __call__ as "
-            "train_kwargs={'train': True}, eval_kwargs={'train': False} (your names and values)."
-        ) from e
-    variables, updated = traced["variables"], traced["updated"]
-    init = with_axis_names(lambda key: nn.meta.unbox(init_all(key)["params"]), names)
-    apply = with_axis_names(lambda params, inputs, key: call({"params": params}, inputs, key, ()), names)
-    # State: the collections a training call reads and writes back in the same structure; those it
-    # only appends to (sow intermediates, growing at each call) are left out, and sow stores nothing.
-    kept = tuple(c for c in sorted(updated) if c in variables and _paths(updated[c]) == _paths(variables[c]))
-    axes = linen_axes(variables["params"])
-    if not kept:
-        return Model(init, apply, axes, label, dict(info or {}), axis_names=names)
-
-    def state_init(key: jax.Array) -> Any:
-        made = init_all(key)
-        return {c: nn.meta.unbox(made[c]) for c in kept}
-
-    def state_apply(params: Params, state: Any, inputs: Any, key: jax.Array | None) -> tuple[Any, Any]:
-        if key is not None:
-            outputs, updated = call({"params": params, **state}, inputs, key, kept)
-            return outputs, {c: updated[c] for c in kept}
-        try:
-            return call({"params": params, **state}, inputs, None, ()), state
-        except flax_errors.ModifyScopeVariableError as e:
-            raise ModelError(LINEN_EVAL_WRITES.format(name=label, collections=list(kept), error=e)) from None
-
-    bound_init, bound_apply = with_axis_names(state_init, names), with_axis_names(state_apply, names)
-    refusing, facts = _stateful_apply(label), dict(info or {})
-    return Model(init, refusing, axes, label, facts, state_init=bound_init, state_apply=bound_apply, axis_names=names)
-
-
-def _call_kwargs(
+def call_kwargs(
     label: str, train_kwargs: Mapping[str, Any] | None, eval_kwargs: Mapping[str, Any] | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The keyword arguments of a training call and of an evaluating one, checked."""
@@ -628,6 +213,7 @@ def annotate(model: Model, patterns: Sequence[RegexRule], *, override: bool = Tr
 
     Example:
       >>> import flax.linen as nn, jax.numpy as jnp
+      >>> from shardkit.models.linen_adapter import from_linen
       >>> m = annotate(from_linen(nn.Dense(8), jnp.zeros((1, 4))),
       ...              [(r"kernel$", ("embed", "mlp")), (r"bias$", ("mlp",))])
       >>> str(m.axes["kernel"])

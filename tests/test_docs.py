@@ -1,10 +1,11 @@
-"""Every fenced block of the README runs as written.
+"""Every fenced block of the README and of the guides (``docs/guides/*.md``) runs as written.
 
 Python blocks run as they are, each in a fresh process, from a directory that holds the
 repository's ``examples/`` and ``scripts/`` (as a user at the repository's root). Shell blocks run
-through bash with the reductions the README states next to them: training runs 3 steps, the
-planner compiles 1 layout, and a two-node launch runs both nodes here, one process each. The
-set-up commands of the first two blocks are the ones CI runs; the file tree lists real files.
+through bash with the reductions the README states: training runs 3 steps, the planner compiles
+1 layout, and a two-node launch runs both nodes here, one process each. The set-up commands of
+the README's first two blocks are the ones CI runs; its file tree lists real files; every
+relative link of every document leads to a file that exists.
 """
 
 import os
@@ -18,9 +19,17 @@ import pytest
 from helpers import TEST_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).parent.parent
-README = (ROOT / "README.md").read_text()
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
-BLOCKS = [(m.group(1), m.group(2), README[: m.start()].count("\n") + 1) for m in FENCE.finditer(README)]
+
+
+def fenced_blocks(path: pathlib.Path) -> list[tuple[str, str, int]]:
+    """``(language, text, line)`` of each fenced block of a document."""
+    text = path.read_text()
+    return [(m.group(1), m.group(2), text[: m.start()].count("\n") + 1) for m in FENCE.finditer(text)]
+
+
+BLOCKS = {path.relative_to(ROOT).as_posix(): fenced_blocks(path) for path in DOCUMENTS}
 TRAINING = re.compile(r"(shardkit train|scripts/train\.py)")
 
 
@@ -72,19 +81,45 @@ def run(command: str, cwd: pathlib.Path, timeout: int = 900) -> subprocess.Compl
     return proc
 
 
-def blocks_of(language: str) -> list[tuple[str, int]]:
-    return [(text, line) for lang, text, line in BLOCKS if lang == language]
+def blocks_of(language: str, document: str = "README.md") -> list[tuple[str, int]]:
+    return [(text, line) for lang, text, line in BLOCKS[document] if lang == language]
 
 
-def test_the_readme_has_only_blocks_this_test_runs():
-    assert {lang for lang, _, _ in BLOCKS} <= {"python", "bash", ""}
-    assert len(blocks_of("python")) >= 4 and len(blocks_of("bash")) >= 5
+def every_block(language: str) -> list[tuple[str, int]]:
+    """``(document, index)`` of each block of ``language`` in every document (the README's two
+    set-up blocks aside: CI runs those)."""
+    return [
+        (doc, i)
+        for doc in BLOCKS
+        for i in range(len(blocks_of(language, doc)))
+        if not (doc == "README.md" and language == "bash" and i < 2)
+    ]
 
 
-@pytest.mark.parametrize("index", range(len(blocks_of("python"))))
-def test_python_block_runs(index, workdir):
-    text, line = blocks_of("python")[index]
-    script = workdir / f"readme_block_line_{line}.py"
+def test_the_documents_have_only_blocks_this_test_runs():
+    for doc, blocks in BLOCKS.items():
+        assert {lang for lang, _, _ in blocks} <= {"python", "bash", ""}, doc
+        assert doc == "README.md" or "" not in {lang for lang, _, _ in blocks}, f"{doc}: name each block's language"
+    assert len(blocks_of("python")) >= 1 and len(blocks_of("bash")) >= 2
+    assert len(every_block("python")) >= 4 and len(every_block("bash")) >= 3
+
+
+def test_every_relative_link_leads_to_a_file():
+    for path in [*DOCUMENTS, ROOT / "docs" / "architecture.md"]:
+        for target in re.findall(r"\]\(([^)#\s]+)\)", path.read_text()):
+            if "://" not in target:
+                where = path.relative_to(ROOT)
+                assert (path.parent / target).exists(), f"{where} links to {target}, which does not exist"
+
+
+def test_the_readme_stays_short():
+    assert (ROOT / "README.md").read_text().count("\n") <= 210, "move the detail to a guide in docs/guides/"
+
+
+@pytest.mark.parametrize("document,index", every_block("python"), ids=lambda x: str(x))
+def test_python_block_runs(document, index, workdir):
+    text, line = blocks_of("python", document)[index]
+    script = workdir / f"{pathlib.Path(document).stem}_block_line_{line}.py"
     script.write_text(text)
     run(f"{sys.executable} {script.name}", workdir)
 
@@ -104,9 +139,9 @@ def test_the_setup_blocks_are_what_ci_runs(workdir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(2, len(blocks_of("bash"))))
-def test_shell_block_runs(index, workdir):
-    text, _ = blocks_of("bash")[index]
+@pytest.mark.parametrize("document,index", every_block("bash"), ids=lambda x: str(x))
+def test_shell_block_runs(document, index, workdir):
+    text, _ = blocks_of("bash", document)[index]
     for command in map(smaller, commands(text)):
         if command.startswith("shardkit launch") and "--nnodes 2" in command:
             two_nodes_here(command, workdir)
