@@ -16,12 +16,25 @@ from shardkit.runtime.host_allocator import with_huge_pages
 
 os.environ.update(with_huge_pages())
 
+import pytest
+
 import shardkit as sk
 
 sk.simulate_devices(8)
 
 
 def pytest_collection_modifyitems(config, items):
+    """Mark the developer's loop (``-m dev``, tests/tiers.py), then hand the slow tests out first."""
+    from tiers import is_dev  # tests/tiers.py: which tests the developer's loop (-m dev) runs
+
+    for item in items:
+        name = getattr(item, "originalname", item.name)
+        if is_dev(item.nodeid.split("::")[0], name, item.get_closest_marker("slow") is not None):
+            item.add_marker(pytest.mark.dev)
+    _slow_first(items)
+
+
+def _slow_first(items):
     """The tests marked slow run first, so that no several-minute test is handed out last. (A test
     that shares a module-scoped fixture with fast ones stays unmarked: split apart, they would build
     it twice.) The suite is bound by the machine's 2 cores, not by how xdist shares the tests out:

@@ -50,6 +50,7 @@ def main() -> None:
             zero=zero,
             microbatches=micro,
             n_layers=args.layers,
+            fsdp_min_size=0,  # stage 3 as the paper counts it: every parameter split, norm scales too
         )
         p = r["parameters"]
         stage = 3 if layout.startswith("fsdp") else zero

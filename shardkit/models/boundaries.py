@@ -102,10 +102,11 @@ def embedding_lookup(module: Any, inputs: Any) -> jax.Array | None:
         return None
     if module.num_embeddings == 1:
         return None
+    embed: Any = module  # nnx.Embed or nn.Embed: both have embedding, dtype and promote_dtype
     if isinstance(module, nnx.Module):  # NNX's promote_dtype takes a tuple, Linen's the arrays
-        (table,) = module.promote_dtype((module.embedding[...],), dtype=module.dtype, inexact=False)
+        (table,) = embed.promote_dtype((embed.embedding[...],), dtype=embed.dtype, inexact=False)
     else:
-        (table,) = module.promote_dtype(module.embedding, dtype=module.dtype, inexact=False)
+        (table,) = embed.promote_dtype(embed.embedding, dtype=embed.dtype, inexact=False)
     table = constrain_to(table, PartitionSpec(PartitionSpec.UNCONSTRAINED, None))
     return jnp.take(table, inputs, axis=0)
 

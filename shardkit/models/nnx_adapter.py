@@ -124,12 +124,12 @@ class NnxParts:
         """Read ``make`` (a builder or a module) once, abstractly."""
         instance = make if isinstance(make, nnx.Module) else None
         with nnx.use_eager_sharding(False):
-            build = (lambda: instance) if instance is not None else (lambda: make(nnx.Rngs(0)))  # type: ignore[operator]
+            build = (lambda: instance) if instance is not None else (lambda: make(nnx.Rngs(0)))
             abstract = nnx.eval_shape(build)
         graphdef, params, streams, rest = nnx.split(abstract, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
         kinds = nnx.Any(*{type(v) for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))})
         return cls(
-            None if instance is not None else make,  # type: ignore[arg-type]
+            None if instance is not None else make,
             instance,
             abstract,
             graphdef,

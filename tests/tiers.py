@@ -1,0 +1,113 @@
+"""Test tiers, chosen by what each test protects (the root ``conftest.py`` applies them).
+
+- ``dev``: the developer's loop, under 5 minutes on 2 cores (``python -m pytest -q -n 2 -m dev``).
+  Every contract that is cheap to check, whole: the resolver and rules, the sharding plan, the
+  error catalogue and every bad input, the command line's grammar, the import rules of the
+  folders, the golden summaries of the compiled programs, the docstring examples, the guides'
+  Python blocks. And one representative of each numerical promise: sharded losses equal one
+  device's (shardkit's GPT and models written without it), transformers' logits from Hugging
+  Face checkpoints, a checkpoint restored onto another layout, the pipeline, ring attention,
+  ZeRO and accumulation exact, the report's formulas.
+- ``slow``: subprocess runs of the command line, several processes, notebooks, benchmarks,
+  exhaustive planner searches.
+- the rest: the other forms and layouts of the same promises.
+
+CI runs all three (``python -m pytest -q -n 2``).
+"""
+
+# Whole modules: contracts that are cheap to check.
+DEV_MODULES = {
+    "test_architecture.py",
+    "test_bad_inputs.py",
+    "test_errors.py",
+    "test_error_sites.py",
+    "test_cli_grammar.py",
+    "test_golden.py",
+    "test_annotations.py",
+    "test_layout_rules.py",
+    "test_hlo.py",
+    "test_hf.py",
+    "test_hf_mapping.py",
+    "test_types.py",
+    "test_fsdp_min_size.py",
+    "test_invariance.py",
+    "test_model_state.py",
+    "test_gpt_compute_forms.py",
+    "test_generate.py",
+    "test_step_parts.py",
+    "test_plan_from_config.py",
+    "test_tokenizer.py",
+    "test_host_allocator.py",
+    "test_kubernetes.py",
+    "test_packed.py",
+    "test_experts.py",
+    "test_eval.py",
+    "test_run_dir.py",
+    "test_partitioned.py",
+    "test_docs.py",
+    "test_tiers.py",
+}
+
+# One representative of each numerical promise (and the refusals) from the larger modules.
+DEV_TESTS = {
+    "test_any_model.py": {
+        "test_losses_and_parameters_equal_one_device",
+        "test_mesh_axis_metadata_is_used_as_mesh_axes",
+        "test_shardkit_names_are_never_read_as_mesh_axes",
+        "test_dryrun_factory_errors",
+    },
+    "test_hf_families.py": {
+        "test_one_device_and_two_sharded_layouts_give_transformers_logits",
+        "test_both_spellings_of_a_config_read_to_the_same_model",
+        "test_an_unknown_key_is_refused_by_name",
+        "test_options_shardkit_cannot_compute_are_refused",
+        "test_the_fixtures_are_what_transformers_wrote",
+    },
+    "test_report.py": {
+        "test_data_parallel_report_matches_the_all_reduce_formula",
+        "test_tensor_parallel_report_has_megatron_all_reduces_per_layer",
+        "test_matmul_flops_count_every_layer_and_match_the_model_count",
+    },
+    "test_pipeline.py": {
+        "test_schedule_bubble_is_the_textbook_fraction",
+        "test_1f1b_holds_at_most_2p_minus_1_microbatches_whatever_m",
+        "test_executor_matches_jax_grad",
+        "test_layers_that_do_not_divide_into_stages_are_refused",
+        "test_model_without_stages_is_refused",
+    },
+    "test_accumulation.py": {"test_reducing_once_equals_one_device_dropout_included"},
+    "test_zero.py": {"test_zero_stages_train_as_one_device_does"},
+    "test_checkpoint.py": {
+        "test_restore_onto_another_layout_continues_exactly",
+        "test_restore_a_checkpoint_of_another_model",
+        "test_restore_a_corrupted_checkpoint",
+    },
+    "test_checkpoint_safety.py": {
+        "test_a_flipped_byte_anywhere_is_detected_and_the_previous_step_restored",
+        "test_a_disk_that_fills_up_gives_one_clear_error_and_keeps_the_earlier_checkpoints",
+        "test_two_writers_in_one_directory",
+    },
+    "test_sequence.py": {
+        "test_ring_attention_is_exact",
+        "test_sequence_that_does_not_divide_the_sequence_axis_is_refused",
+    },
+    "test_scale_features.py": {
+        "test_microbatches_equal_the_whole_batch",
+        "test_nonfinite_skip_leaves_the_state_as_it_was",
+        "test_bf16_master_policy_keeps_bf16_params_and_fp32_master",
+    },
+    "test_plan.py": {"test_tensor_parallelism_never_spans_nodes", "test_candidates_respect_layers_sequence_and_nodes"},
+    "test_distributed.py": {"test_detect_from_environments", "test_single_process_initialize_is_a_no_op"},
+    "test_extrapolate.py": {"test_layouts_that_cannot_be_halved_are_refused_before_any_compile"},
+}
+
+
+def is_dev(path: str, name: str, slow: bool) -> bool:
+    """Whether a test (``path`` relative to the repository, ``name`` without parameters) is in
+    the developer's loop; a test marked slow never is."""
+    if slow:
+        return False
+    if path.startswith("shardkit/"):  # the package's docstring examples
+        return True
+    module = path.rsplit("/", 1)[-1]
+    return module in DEV_MODULES or name in DEV_TESTS.get(module, ())
