@@ -213,6 +213,35 @@ def test_flax_embedding_lookups_gather_features_not_activations(reports, kind):
     assert {(c.kind, c.axes) for c in lookup} == {("all-gather", ("fsdp",)), ("all-reduce", ("tensor",))}, lookup
 
 
+def test_the_report_names_what_runs_beyond_the_bound_by_the_users_op(reports):
+    # Gemma-style NNX: q and kv, gate and up are separate projections of one input, so under
+    # tensor each all-reduces its share of the input's gradient; the report says so per module.
+    _, report = reports["nnx-gemma", "data=2,fsdp=2,tensor=2"]
+    extras = report.extras()
+    for layer in range(CFG.layers):
+        assert any(e.startswith(f"layers/{layer}/attn: kv and q each all-reduce") for e in extras), extras
+        assert any(e.startswith(f"layers/{layer}/mlp: gate and up each all-reduce") for e in extras), extras
+    # Those pairs are what the compiled program runs: two backward all-reduces over tensor each.
+    paired = [
+        c
+        for c in report.collectives
+        if c.kind == "all-reduce" and c.axes == ("tensor",) and c.direction == "backward" and "/attn/" in c.op
+    ]
+    assert len(paired) == 2 * CFG.layers, paired
+    assert any("scatter-add" in e and "data+fsdp" in e for e in extras), extras
+    assert "beyond the bound:" in report.table() and "kv and q" in report.to_dict()["extras"][0]
+    # Linen: query, key and value are three projections of one input.
+    _, linen = reports["linen-lm", "data=2,fsdp=2,tensor=2"]
+    assert any("key and query and value each all-reduce" in e for e in linen.extras()), linen.extras()
+
+
+def test_a_fused_model_has_no_projection_extras():
+    # shardkit's GPT fuses q/k/v and gate/up: Megatron's count, nothing said about projections.
+    trainer = sk.Trainer(sk.models.GPTConfig.preset("tiny").model(), optax.adamw(1e-3), "data=2,fsdp=2,tensor=2")
+    extras = trainer.report(BATCH).extras()
+    assert not [e for e in extras if "projections" in e], extras
+
+
 def test_nnx_report_names_module_paths():
     trainer = sk.Trainer(nnx_model(), optax.adamw(3e-3), "fsdp=8")
     ops = {c.op for c in trainer.report(BATCH).collectives}

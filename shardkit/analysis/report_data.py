@@ -208,6 +208,7 @@ class Report:
             "compile_seconds": self.compile_seconds,
             "gradient_reduction": self.gradient_reduction,
             "partitioner_dtypes": self.partitioner_dtypes,
+            "extras": self.extras(),
         }
 
     @classmethod
@@ -233,6 +234,13 @@ class Report:
             gradient_reduction=d.get("gradient_reduction", ""),
             partitioner_dtypes=d.get("partitioner_dtypes", False),
         )
+
+    def extras(self) -> list[str]:
+        """The collectives beyond the layout's bound that shardkit recognises, each named by the
+        user's op and said in a sentence (:func:`shardkit.analysis.extras.extra_collectives`)."""
+        from shardkit.analysis.extras import extra_collectives
+
+        return extra_collectives(self.collectives)
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -283,4 +291,7 @@ class Report:
             f"{self.lower_bound['state_memory_per_device'] / 1e6:.3f} MB model state per device; "
             f"measured/bound: bytes {self.ratios['bytes']:.2f}, memory {self.ratios['memory']:.2f}",
         ]
+        extras = self.extras()
+        if extras:
+            lines += ["", "beyond the bound:", *(f"- {e}" for e in extras)]
         return "\n".join(lines)
