@@ -23,12 +23,6 @@ At every submodule call, each array output whose leading dimension is the batch 
 NNX submodule calls also open a ``jax.named_scope`` named by the module's path
 (``layers/0/attn/q``), so reports name NNX ops the way they name Linen ones.
 
-Flax's own embedding lookups (``nnx.Embed``, ``nn.Embed``) on a mesh with a ``tensor`` axis
-gather the table's feature dimension before the lookup, as shardkit's GPT does
-(:func:`embedding_lookup`): with the table's vocabulary split over ``tensor``, its features over
-``fsdp`` and the token ids over ``fsdp`` along the batch, XLA otherwise replicates the lookup's
-result and moves it back ("Involuntary full rematerialization": an all-gather over ``data``, one
-over ``tensor`` and two collective-permutes per step).
 """
 
 from __future__ import annotations
@@ -40,7 +34,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
@@ -83,34 +76,6 @@ def boundary_spec(shape: Sequence[int], layer_boundary: bool) -> PartitionSpec |
     return PartitionSpec(batch[0], *([PartitionSpec.UNCONSTRAINED] * (len(shape) - 1)))
 
 
-def embedding_lookup(module: Any, inputs: Any) -> jax.Array | None:
-    """The lookup of a Flax ``nnx.Embed`` or ``nn.Embed`` with its table whole along the
-    features (the feature split gathered first, as FSDP gathers any weight), the vocabulary
-    left as the table's sharding has it (vocab-parallel over ``tensor``); None where Flax's own
-    call must run instead: outside a sharding context, on a mesh without a ``tensor`` axis,
-    integer ids missing, or a one-row table.
-
-    The same three steps as Flax's ``__call__``: the module's own dtype promotion, then
-    ``jnp.take`` along the rows.
-    """
-    ctx = current_rules()
-    if ctx is None or not hasattr(inputs, "dtype") or not jnp.issubdtype(inputs.dtype, jnp.integer):
-        return None
-    if free_mesh_shape(ctx[0]).get("tensor", 1) == 1:
-        # Without a tensor axis XLA moves the looked-up rows to their owners with all-to-alls
-        # (B x T x D / n each way), cheaper than gathering a large vocabulary's table.
-        return None
-    if module.num_embeddings == 1:
-        return None
-    embed: Any = module  # nnx.Embed or nn.Embed: both have embedding, dtype and promote_dtype
-    if isinstance(module, nnx.Module):  # NNX's promote_dtype takes a tuple, Linen's the arrays
-        (table,) = embed.promote_dtype((embed.embedding[...],), dtype=embed.dtype, inexact=False)
-    else:
-        (table,) = embed.promote_dtype(embed.embedding, dtype=embed.dtype, inexact=False)
-    table = constrain_to(table, PartitionSpec(PartitionSpec.UNCONSTRAINED, None))
-    return jnp.take(table, inputs, axis=0)
-
-
 def constrain_outputs(outputs: Any, args: Sequence[Any]) -> Any:
     """Constrain every batched array in ``outputs`` (see :func:`boundary_spec`)."""
     input_shapes = {tuple(a.shape) for a in jax.tree.leaves(args) if isinstance(a, jax.Array)}
@@ -142,14 +107,7 @@ def _bounded_class(cls: type) -> type:
     """A subclass of an NNX module class whose ``__call__`` opens a named scope and constrains
     its outputs; made once per class (a new class per call would grow JAX's pytree registry)."""
     if cls not in _SUBCLASSES:
-        flax_call = cls.__call__
-        if flax_call is nnx.Embed.__call__:  # Flax's own lookup, not a subclass's
-
-            def original(self: Any, *args: Any, **kwargs: Any) -> Any:
-                looked_up = None if kwargs or len(args) != 1 else embedding_lookup(self, args[0])
-                return flax_call(self, *args, **kwargs) if looked_up is None else looked_up
-        else:
-            original = flax_call
+        original = cls.__call__
 
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
             path = (_PATHS.get() or {}).get(id(self))
@@ -193,12 +151,10 @@ def nnx_boundaries(module: nnx.Module) -> Iterator[None]:
 
 
 def _linen_interceptor(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+    out = next_fun(*args, **kwargs)
     if context.method_name != "__call__" or context.module.parent is None:
-        return next_fun(*args, **kwargs)
-    module, out = context.module, None
-    if type(module).__call__ is nn.Embed.__call__ and not kwargs and len(args) == 1:  # Flax's own lookup
-        out = embedding_lookup(module, args[0])
-    return constrain_outputs(next_fun(*args, **kwargs) if out is None else out, args)
+        return out
+    return constrain_outputs(out, args)
 
 
 def linen_boundaries() -> contextlib.AbstractContextManager[None]:
