@@ -10,7 +10,9 @@ written without shardkit:
 - **separate projections of one input** under ``tensor``: each projection (``attn/q`` and
   ``attn/kv``, ``mlp/gate`` and ``mlp/up``) all-reduces its own share of the input's gradient in
   the backward pass, where one fused matmul would reduce once (XLA:CPU does not re-associate
-  ``all-reduce(a) + all-reduce(b)``);
+  ``all-reduce(a) + all-reduce(b)``). shardkit's step sums them before the reduction
+  (:mod:`shardkit.parallel.input_gradients`) wherever each weight is a parameter split over
+  ``tensor`` on its output features, so a report names them only where it could not tell;
 - **an embedding gradient reduced whole** over several batch axes and then sliced to its shard;
 - **collective-permutes outside a pipeline or a ring**: XLA moving an array between two
   shardings it could not convert between (its "involuntary full rematerialization").
@@ -52,6 +54,13 @@ def module_path(op: str) -> str:
     return "/".join(p for p in parts[:-1] if "->" not in p and "," not in p)
 
 
+_FIX = (
+    "shardkit sums such gradients before reducing them only where each weight is a parameter (or its "
+    "cast) split over tensor on its output features. Fix: use the parameters as they are in the "
+    "projections, or fuse them (as shardkit's GPT fuses q/k/v and gate/up)."
+)
+
+
 def _separate_projections(stats: list[CollectiveStat]) -> list[str]:
     by_parent: dict[str, dict[str, CollectiveStat]] = collections.defaultdict(dict)
     backward = [c for c in stats if c.kind == "all-reduce" and c.axes == ("tensor",) and c.direction == "backward"]
@@ -65,8 +74,7 @@ def _separate_projections(stats: list[CollectiveStat]) -> list[str]:
             out.append(
                 f"{c.op}: the input gradients of several projections, all-reduced together over tensor "
                 f"({c.payload_bytes / activation:.1f}x a layer's activation, {c.moved_bytes / 1e6:.3f} MB, where "
-                "Megatron reduces one activation): separate projections of one input. Fix: one fused projection "
-                "(as shardkit's GPT fuses q/k/v and gate/up)."
+                "Megatron reduces one activation): separate projections of one input. " + _FIX
             )
             continue
         path = module_path(c.op)
@@ -81,7 +89,7 @@ def _separate_projections(stats: list[CollectiveStat]) -> list[str]:
         out.append(
             f"{parent}: {' and '.join(names)} each all-reduce their share of the input's gradient over tensor "
             f"({len(names)} all-reduces, {moved / 1e6:.3f} MB, where Megatron reduces once): separate "
-            "projections of one input. Fix: one fused projection (as shardkit's GPT fuses q/k/v and gate/up)."
+            "projections of one input. " + _FIX
         )
     return out
 

@@ -39,6 +39,7 @@ from shardkit.core.precision import Precision
 from shardkit.core.rules import entry_axes
 from shardkit.core.sharding import ShardingPlan
 from shardkit.models.model import Model, Params
+from shardkit.parallel.input_gradients import reduce_input_gradients_once
 from shardkit.parallel.schedule import Schedule
 from shardkit.training.losses import Batch, LossFn
 from shardkit.training.steps import GradsFn, pipelined_grads, plain_grads, reduce_row_sums, split_microbatches
@@ -62,6 +63,39 @@ class Accumulation:
     requested: str
     reduces: str | None = None
     reason: str = ""
+
+
+def tensor_reduced_once(grads_fn: GradsFn, plan: ShardingPlan) -> GradsFn:
+    """``grads_fn`` with the input gradient of separate projections of one input reduced once over
+    ``tensor`` (``shardkit.parallel.input_gradients``); unchanged where ``tensor`` is 1."""
+    size = dict(plan.mesh.shape).get("tensor", 1)
+    if size == 1:
+        return grads_fn
+    splits = jax.tree.map(
+        lambda spec, x: tensor_blocks(spec, len(x.shape), size),
+        plan.param_specs,
+        plan.abstract_params,
+        is_leaf=lambda s: isinstance(s, PartitionSpec),
+    )
+    return reduce_input_gradients_once(grads_fn, lambda params, *rest: (splits, *([None] * len(rest))))
+
+
+def tensor_blocks(spec: PartitionSpec, ndim: int, size: int) -> tuple[int, ...] | None:
+    """Per dimension, into how many contiguous blocks ``tensor`` splits it: ``size`` where
+    ``tensor`` leads the dimension's mesh axes, 1 where it is absent; None (not rewritten) where it
+    follows another axis, its blocks then interleaved.
+
+    Example:
+      >>> tensor_blocks(PartitionSpec("fsdp", ("tensor", "data")), 2, 4)
+      (1, 4)
+    """
+    blocks = []
+    for entry in (*spec, *([None] * (ndim - len(spec)))):
+        axes = entry_axes(entry)
+        if "tensor" in axes[1:]:
+            return None
+        blocks.append(size if axes[:1] == ("tensor",) else 1)
+    return tuple(blocks)
 
 
 def accumulated_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan) -> GradsFn:
@@ -174,7 +208,7 @@ def choose(
         """Gradients reduced once over ``axes``, or per microbatch when ``axes`` is empty."""
         if schedule is not None:
             return pipelined_grads(model, loss, precision, schedule, plan, axes)
-        plain = plain_grads(model, loss, precision)
+        plain = tensor_reduced_once(plain_grads(model, loss, precision), plan)
         if microbatches == 1:
             return plain
         return (
