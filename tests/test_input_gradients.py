@@ -8,9 +8,11 @@ import numpy as np
 import optax
 import pytest
 from byo_models import GemmaLM, LinenLM, LMConfig
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
 
 import shardkit as sk
+from shardkit.analysis.report import collective_stats
+from shardkit.parallel.embedding_gradients import Tables
 from shardkit.parallel.input_gradients import reduce_input_gradients_once
 from shardkit.training.accumulation import tensor_blocks
 
@@ -149,3 +151,43 @@ def test_hybrid_layout_on_user_models_within_five_percent_of_its_bound(kind):
     # One per attention block and one per MLP (and the output layer's, where the head is split).
     assert 2 * WIDE.layers <= sum(c.count for c in backward) <= 2 * WIDE.layers + 1, backward
     assert not [e for e in report.extras() if "projections" in e], report.extras()
+
+
+def test_an_embedding_gradient_is_reduced_onto_its_shards():
+    # A lookup's gradient under data=2,fsdp=2,tensor=2, the table's vocabulary over tensor and its
+    # features over fsdp: the same values as JAX's own, and in the compiled program a
+    # reduce-scatter over fsdp and an all-reduce over data of the shard, no whole table reduced.
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    spec, rows = PartitionSpec("tensor", "fsdp"), ("data", "fsdp")
+    table = jax.random.normal(KEY, (64, 32))
+    ids = jax.random.randint(KEY, (16, 8), 0, 64)
+    ct = jax.random.normal(jax.random.PRNGKey(1), (16, 8, 32))
+
+    def grad(table, ids, ct):
+        return jax.grad(lambda t: (jnp.take(t, ids, axis=0) * ct).sum())(table)
+
+    tables = Tables(mesh, rows, lambda table, ids, ct: (spec, None, None))
+    once = reduce_input_gradients_once(grad, lambda *args: (None, None, None), tables)
+    shard = lambda s: jax.sharding.NamedSharding(mesh, s)
+    in_shardings = (shard(spec), shard(PartitionSpec(rows)), shard(PartitionSpec(rows)))
+    compiled = {
+        name: jax.jit(fn, in_shardings=in_shardings, out_shardings=shard(spec)).lower(table, ids, ct).compile()
+        for name, fn in (("xla", grad), ("once", once))
+    }
+    np.testing.assert_allclose(compiled["once"](table, ids, ct), grad(table, ids, ct), rtol=1e-5, atol=1e-5)
+    stats = {name: collective_stats(c.as_text(), mesh) for name, c in compiled.items()}
+    whole = [c for c in stats["xla"] if c.kind == "all-reduce" and set(c.axes) == set(rows)]
+    # What XLA does: the vocabulary's tensor shard, whole along the features, reduced over both.
+    assert whole and whole[0].payload_bytes == table.nbytes // 2
+    kinds = {(c.kind, c.axes, c.payload_bytes) for c in stats["once"]}
+    assert kinds == {("reduce-scatter", ("fsdp",), table.nbytes // 2), ("all-reduce", ("data",), table.nbytes // 4)}
+
+
+def test_a_table_split_by_batch_and_other_axes_on_one_dimension_is_left_to_xla():
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    table, ids = jnp.ones((64, 32)), jnp.zeros((16, 8), jnp.int32)
+    grad = jax.grad(lambda t, ids: jnp.take(t, ids, axis=0).sum())
+    for spec in (PartitionSpec(("tensor", "fsdp")), PartitionSpec("tensor")):  # mixed; no batch axis
+        tables = Tables(mesh, ("data", "fsdp"), lambda t, ids, spec=spec: (spec, None))
+        once = reduce_input_gradients_once(grad, lambda *args: (None, None), tables)
+        assert "shard_map" not in str(jax.make_jaxpr(once)(table, ids))

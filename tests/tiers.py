@@ -30,6 +30,7 @@ DEV_MODULES = {
     "test_hf_mapping.py",
     "test_types.py",
     "test_fsdp_min_size.py",
+    "test_input_gradients.py",
     "test_invariance.py",
     "test_model_state.py",
     "test_gpt_compute_forms.py",

@@ -21,6 +21,10 @@ Only weights whose splitting is known are rewritten: parameters reached from the
 through casts, nested ``jit``, ``remat`` and ``scan`` (a scanned stack loses its leading
 dimension), read from the sharding plan. Anything else is evaluated as traced.
 
+The same pass reduces each embedding table's gradient onto its shards
+(:mod:`shardkit.parallel.embedding_gradients`): a scatter into zeros at the positions a lookup
+gathered from a parameter's table.
+
 Example:
   >>> import jax, jax.numpy as jnp
   >>> def loss(w, x):
@@ -45,13 +49,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+from jax.sharding import PartitionSpec
+
+from shardkit.parallel.embedding_gradients import Tables, table_gradient
 
 # Per dimension of a value: into how many contiguous blocks ``tensor`` splits it (1: whole);
 # None where the value is not a known weight.
 Split = tuple[int, ...] | None
 
-# Primitives that hand their operand on unchanged in layout: a weight stays a weight.
-_PASS_THROUGH = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision", "sharding_constraint"})
+# Primitives that hand their operand on unchanged in layout: a weight stays a weight. Not a sharding
+# constraint: it may gather what the plan split (shardkit's GPT gathers its table's features).
+_PASS_THROUGH = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
 # Primitives whose inner program is evaluated again, rewritten, when it holds a sum to rewrite.
 _INNER = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
 
@@ -82,17 +90,22 @@ class _Plan:
     """What to rewrite in one program: the sums by their root equation, the equations they
     replace, and the inner programs (by equation) that hold sums of their own."""
 
+    tables: Tables | None = None
     sums: dict[int, _Sum] = field(default_factory=dict)
     replaced: set[int] = field(default_factory=set)
+    scatters: dict[int, PartitionSpec] = field(default_factory=dict)  # table gradients, by their sharding
     inner: dict[int, _Plan] = field(default_factory=dict)
     out_splits: list[Split] = field(default_factory=list)
+    out_indices: list[PartitionSpec | None] = field(default_factory=list)  # outputs that index a known table
 
     @property
     def empty(self) -> bool:
-        return not self.sums and not self.inner
+        return not self.sums and not self.scatters and not self.inner
 
 
-def reduce_input_gradients_once(fn: Callable[..., Any], splits_of: Callable[..., Any]) -> Callable[..., Any]:
+def reduce_input_gradients_once(
+    fn: Callable[..., Any], splits_of: Callable[..., Any], tables: Tables | None = None
+) -> Callable[..., Any]:
     """``fn`` with the input gradients of split projections of one input reduced once.
 
     Args:
@@ -100,6 +113,8 @@ def reduce_input_gradients_once(fn: Callable[..., Any], splits_of: Callable[...,
       splits_of: ``splits_of(*args)`` -> a tree like ``args`` whose leaves are tuples (per
         dimension of that argument, into how many contiguous blocks ``tensor`` splits it) or None
         for arguments that are not weights. A None subtree stands for all its leaves.
+      tables: where given, each embedding table's gradient (a scatter into zeros of a parameter's
+        shape) is also reduced onto its shards (:mod:`shardkit.parallel.embedding_gradients`).
 
     Returns:
       A function with ``fn``'s signature and results (equal up to float rounding).
@@ -109,7 +124,9 @@ def reduce_input_gradients_once(fn: Callable[..., Any], splits_of: Callable[...,
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         leaves = jax.tree.leaves(args)
         splits = _flat_splits(splits_of(*args), args)
-        plan = _plan(closed.jaxpr, [None] * len(closed.jaxpr.constvars) + splits)
+        consts = [None] * len(closed.jaxpr.constvars)
+        table_specs = _flat_splits(tables.specs_of(*args), args) if tables else []
+        plan = _plan(closed.jaxpr, consts + splits, tables, consts + table_specs)
         outs = _evaluate(closed.jaxpr, plan, closed.consts, leaves)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -124,30 +141,67 @@ def _flat_splits(splits: Any, args: Any) -> list[Split]:
         if sub_splits is None:
             out.extend([None] * n)
             continue
-        flat = jax.tree.leaves(sub_splits, is_leaf=lambda s: s is None or isinstance(s, tuple))
+        flat = jax.tree.leaves(sub_splits, is_leaf=lambda s: s is None or isinstance(s, tuple))  # specs too
         out.extend(flat if len(flat) == n else [None] * n)
     return out
 
 
-def _plan(jaxpr: Jaxpr, in_splits: Sequence[Split]) -> _Plan:
-    """Which sums of one program (and of its inner programs) to compute as one product."""
-    plan = _Plan()
-    known: dict[Var, Split] = {v: s for v, s in zip(list(jaxpr.constvars) + list(jaxpr.invars), in_splits) if s}
+def _plan(
+    jaxpr: Jaxpr,
+    in_splits: Sequence[Split],
+    tables: Tables | None = None,
+    in_tables: Sequence[Any] = (),
+    in_indices: Sequence[Any] = (),
+) -> _Plan:
+    """Which sums of one program (and of its inner programs) to compute as one product, and which
+    table gradients to reduce onto their shards.
+
+    ``in_tables``: per input, the sharding of the parameter it is (None: not one);
+    ``in_indices``: per input, the sharding of the table it holds gathered positions of."""
+    plan = _Plan(tables)
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    inputs = list(jaxpr.constvars) + list(jaxpr.invars)
+    known: dict[Var, Split] = {v: s for v, s in zip(inputs, in_splits) if s}
+    params: dict[Var, PartitionSpec] = {v: s for v, s in zip(inputs, in_tables) if s is not None}
+    indices: dict[Var, PartitionSpec] = {v: s for v, s in zip(inputs, in_indices) if s is not None}
     for i, eqn in enumerate(jaxpr.eqns):
         name = eqn.primitive.name
-        if name in _PASS_THROUGH and not isinstance(eqn.invars[0], Literal) and eqn.invars[0] in known:
-            known[eqn.outvars[0]] = known[eqn.invars[0]]
+        first = None if not eqn.invars or isinstance(eqn.invars[0], Literal) else eqn.invars[0]
+        if name in _PASS_THROUGH and first is not None:
+            if first in known:
+                known[eqn.outvars[0]] = known[first]
+            if first in params:
+                params[eqn.outvars[0]] = params[first]
         elif name in _INNER and _INNER[name] in eqn.params:
             inner_jaxpr = _open(eqn.params[_INNER[name]])
-            n_consts = len(inner_jaxpr.constvars)
-            inner = _plan(inner_jaxpr, [None] * n_consts + [_split(known, v) for v in eqn.invars])
+            pad = [None] * len(inner_jaxpr.constvars)
+            inner = _plan(
+                inner_jaxpr,
+                pad + [_split(known, v) for v in eqn.invars],
+                tables,
+                pad + [_get(params, v) for v in eqn.invars],
+                pad + [_get(indices, v) for v in eqn.invars],
+            )
             _note_inner(plan, known, i, eqn, inner)
+            indices.update({v: s for v, s in zip(eqn.outvars, inner.out_indices) if s is not None})
         elif name == "scan":
-            inner = _plan(eqn.params["jaxpr"].jaxpr, _scan_in_splits(eqn, known))
+            inner = _plan(eqn.params["jaxpr"].jaxpr, _scan_in_splits(eqn, known), tables)
             _note_inner(plan, known, i, eqn, inner, scan=True)
+        elif name == "gather" and first is not None and first in params and not isinstance(eqn.invars[1], Literal):
+            indices[eqn.invars[1]] = params[first]  # positions looked up in a parameter's table
+        elif name == "scatter-add" and tables is not None and _get(indices, eqn.invars[1]) is not None:
+            operand = first and producer.get(first)
+            spec = tables.spec_for(eqn, operand or None, indices[eqn.invars[1]])
+            if spec is not None:
+                plan.scatters[i] = spec
     _find_sums(jaxpr, known, plan)
     plan.out_splits = [_split(known, v) for v in jaxpr.outvars]
+    plan.out_indices = [_get(indices, v) for v in jaxpr.outvars]
     return plan
+
+
+def _get(info: dict[Var, Any], v: Any) -> Any:
+    return None if isinstance(v, Literal) else info.get(v)
 
 
 def _open(program: Any) -> Jaxpr:
@@ -321,6 +375,9 @@ def _evaluate(jaxpr: Jaxpr, plan: _Plan, consts: Sequence[Any], args: Sequence[A
         with source_info_util.user_context(source.traceback, name_stack=name_stack), eqn.ctx.manager:
             if i in plan.sums:
                 outs = [_one_product(plan.sums[i], read)]
+            elif i in plan.scatters:
+                assert plan.tables is not None
+                outs = [table_gradient(eqn, plan.scatters[i], plan.tables, read(eqn.invars[1]), read(eqn.invars[2]))]
             else:
                 params = eqn.primitive.get_bind_params(eqn.params)
                 if i in plan.inner:

@@ -39,6 +39,7 @@ from shardkit.core.precision import Precision
 from shardkit.core.rules import entry_axes
 from shardkit.core.sharding import ShardingPlan
 from shardkit.models.model import Model, Params
+from shardkit.parallel.embedding_gradients import Tables
 from shardkit.parallel.input_gradients import reduce_input_gradients_once
 from shardkit.parallel.schedule import Schedule
 from shardkit.training.losses import Batch, LossFn
@@ -69,15 +70,17 @@ def tensor_reduced_once(grads_fn: GradsFn, plan: ShardingPlan) -> GradsFn:
     """``grads_fn`` with the input gradient of separate projections of one input reduced once over
     ``tensor`` (``shardkit.parallel.input_gradients``); unchanged where ``tensor`` is 1."""
     size = dict(plan.mesh.shape).get("tensor", 1)
-    if size == 1:
+    if size == 1 or plan.layout.explicit:  # explicit axes put sharding in the types, which it would have to follow
         return grads_fn
+    specs = plan.param_specs
+    tables = Tables(plan.mesh, _row_axes(plan), lambda params, *rest: (specs, *([None] * len(rest))))
     splits = jax.tree.map(
         lambda spec, x: tensor_blocks(spec, len(x.shape), size),
         plan.param_specs,
         plan.abstract_params,
         is_leaf=lambda s: isinstance(s, PartitionSpec),
     )
-    return reduce_input_gradients_once(grads_fn, lambda params, *rest: (splits, *([None] * len(rest))))
+    return reduce_input_gradients_once(grads_fn, lambda params, *rest: (splits, *([None] * len(rest))), tables)
 
 
 def tensor_blocks(spec: PartitionSpec, ndim: int, size: int) -> tuple[int, ...] | None:
