@@ -12,6 +12,11 @@ simulated CPU devices.
     python benchmarks/any_model.py --dim 64 --layers 2 --seq 32 --json benchmarks/results/any_model.json
     python benchmarks/any_model.py --layers 8 --remat   # each layer recomputed (nnx.remat / nn.remat)
     python benchmarks/any_model.py --layers 8 --remat dots   # only the gathered weights recomputed
+    python benchmarks/any_model.py --kv-heads 8 --layout tensor=8 --layout data=2,fsdp=4
+
+The hybrid and ``tensor=8`` rows also measure shardkit's rewrite of the backward pass
+(``shardkit.parallel.input_gradients``): separate projections of one input reduce their input
+gradient once, the embedding table's gradient is reduced onto its shards.
 """
 
 import argparse
@@ -84,13 +89,17 @@ def main() -> None:
         help="the models recompute each layer in the backward pass: everything (full), or all but the "
         "matmul outputs (dots: jax.checkpoint_policies.dots_saveable, so FSDP gathers the weights again)",
     )
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (8 lets tensor=8 split them)")
+    parser.add_argument(
+        "--layout", action="append", help=f"a layout to measure (repeat the flag; default: {', '.join(LAYOUTS)})"
+    )
     parser.add_argument("--json", default="benchmarks/results/any_model.json")
     args = parser.parse_args()
     cfg = LMConfig(
         dim=args.dim,
         mlp=4 * args.dim,
         heads=8,
-        kv_heads=2,
+        kv_heads=args.kv_heads,
         head_dim=args.dim // 8,
         layers=args.layers,
         remat=args.remat is not None,
@@ -100,7 +109,7 @@ def main() -> None:
     rows = []
     for name, make in models(cfg, args.seq).items():
         for when, boundaries in (("before", False), ("after", True)):
-            for layout in LAYOUTS:
+            for layout in args.layout or LAYOUTS:
                 report = sk.Trainer(make(boundaries), optax.adamw(1e-3), layout).report(batch)
                 rows.append(row(name, when, layout, report))
     print(

@@ -98,7 +98,8 @@ def _embedding_gradients(stats: list[CollectiveStat]) -> list[str]:
     return [
         f"{c.op}: an embedding table's gradient is all-reduced whole over {'+'.join(c.axes)} "
         f"({c.moved_bytes / 1e6:.3f} MB), then sliced to the table's shard: XLA's partitioning of the "
-        "lookup's scatter-add."
+        "lookup's scatter-add (shardkit reduces it onto the shards where the lookup reads a parameter's "
+        "table as it is; here it could not)."
         for c in stats
         if c.kind == "all-reduce" and "scatter-add" in c.op and len(c.axes) > 1
     ]

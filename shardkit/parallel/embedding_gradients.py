@@ -56,27 +56,40 @@ class Tables:
     def spec_for(self, eqn: JaxprEqn, zeros: JaxprEqn | None, spec: PartitionSpec) -> PartitionSpec | None:
         """``spec`` where ``eqn`` is the gradient of a lookup in a table sharded as ``spec`` that
         this rewrite computes: a scatter-add into zeros (``zeros``, the operand's producer), the
-        tokens along the leading dimension of its indices and updates, the table split over at
-        least one batch axis and no dimension split by both batch and other axes; else None."""
+        tokens along the leading dimension of its indices and updates, the table split over some
+        but not all of the batch's row axes and no dimension split by both row and other axes;
+        else None."""
         if eqn.primitive.name != "scatter-add" or zeros is None or not _is_zeros(zeros) or not self.row_axes:
             return None
         rows = set(self.row_axes)
         entries = [set(entry_axes(e)) for e in spec]
-        if not any(e & rows for e in entries) or any(e & rows and e - rows for e in entries):
+        splitting = set().union(*entries) & rows
+        # Where every row axis splits the table XLA moves the tokens' rows (all-to-all), which
+        # is cheaper than the table while the tokens are fewer than its rows; where none does, the
+        # all-reduce is the bound. One dimension split by row and other axes is not handled.
+        if not splitting or splitting == rows or any(e & rows and e - rows for e in entries):
             return None
         numbers = eqn.params["dimension_numbers"]
         _, indices, updates = eqn.invars
         n_rows = math.prod(dict(self.mesh.shape)[a] for a in self.row_axes)
         if (
-            len(spec) > len(eqn.outvars[0].aval.shape)
+            len(spec) > len(_shape(eqn.outvars[0]))
             or numbers.operand_batching_dims
             or 0 in numbers.update_window_dims
-            or not indices.aval.shape
-            or indices.aval.shape[0] != updates.aval.shape[0]
-            or indices.aval.shape[0] % n_rows
+            or not _shape(indices)
+            or _shape(indices)[0] != _shape(updates)[0]
+            or _shape(indices)[0] % n_rows
         ):
             return None
         return spec
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(v.aval.shape)
+
+
+def _dtype(v: Any) -> Any:
+    return v.aval.dtype
 
 
 def _is_zeros(eqn: JaxprEqn) -> bool:
@@ -100,17 +113,17 @@ def table_gradient(eqn: JaxprEqn, spec: PartitionSpec, tables: Tables, indices: 
     Returns:
       The table's gradient, shape and dtype of ``eqn``'s result, sharded as ``spec``.
     """
-    aval = eqn.outvars[0].aval
+    shape, dtype = _shape(eqn.outvars[0]), _dtype(eqn.outvars[0])
     sizes = dict(tables.mesh.shape)
     rows = tables.row_axes
     params = eqn.primitive.get_bind_params(eqn.params)
 
     def local(idx: jax.Array, upd: jax.Array) -> jax.Array:
-        g = eqn.primitive.bind(jnp.zeros(aval.shape, aval.dtype), idx, upd, **params)
+        g = eqn.primitive.bind(jnp.zeros(shape, dtype), idx, upd, **params)
         for k, entry in enumerate(spec):
             axes = entry_axes(entry)
             if axes and not set(axes) & set(rows):  # this device's block (the vocabulary over tensor)
-                block = aval.shape[k] // math.prod(sizes[a] for a in axes)
+                block = shape[k] // math.prod(sizes[a] for a in axes)
                 g = lax.dynamic_slice_in_dim(g, _linear_index(axes, sizes) * block, block, axis=k)
         scattered: list[str] = []
         for k, entry in enumerate(spec):

@@ -190,8 +190,9 @@ def _plan(
         elif name == "gather" and first is not None and first in params and not isinstance(eqn.invars[1], Literal):
             indices[eqn.invars[1]] = params[first]  # positions looked up in a parameter's table
         elif name == "scatter-add" and tables is not None and _get(indices, eqn.invars[1]) is not None:
-            operand = first and producer.get(first)
-            spec = tables.spec_for(eqn, operand or None, indices[eqn.invars[1]])
+            spec = tables.spec_for(
+                eqn, producer.get(first) if first is not None else None, _get(indices, eqn.invars[1])
+            )
             if spec is not None:
                 plan.scatters[i] = spec
     _find_sums(jaxpr, known, plan)
@@ -202,6 +203,14 @@ def _plan(
 
 def _get(info: dict[Var, Any], v: Any) -> Any:
     return None if isinstance(v, Literal) else info.get(v)
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(v.aval.shape)
+
+
+def _dtype(v: Any) -> Any:
+    return v.aval.dtype
 
 
 def _open(program: Any) -> Jaxpr:
@@ -234,10 +243,11 @@ def _note_inner(plan: _Plan, known: dict[Var, Split], i: int, eqn: JaxprEqn, inn
     outputs gain a leading whole dimension)."""
     if not inner.empty:
         plan.inner[i] = inner
-    outs = inner.out_splits
+    outs: list[Split] = list(inner.out_splits)
     if scan:
         n_carry = eqn.params["num_carry"]
-        outs = [None] * n_carry + [(1, *s) if s else None for s in outs[n_carry:]]
+        carried: list[Split] = [None] * n_carry
+        outs = carried + [(1, *s) if s else None for s in outs[n_carry:]]
     for v, s in zip(eqn.outvars, outs):
         if s:
             known[v] = s
@@ -323,6 +333,7 @@ def _member(dot: JaxprEqn, known: dict[Var, Split]) -> _Member | None:
         return None
     weight = 0 if sides[0] else 1
     split = sides[weight]
+    assert split is not None
     contracted = (lhs_c, rhs_c)[weight]
     split_dims = [d for d in contracted if split[d] > 1]
     if len(split_dims) != 1 or any(split[d] > 1 for d in range(len(split)) if d not in contracted):
@@ -336,10 +347,12 @@ def _compatibility(m: _Member, known: dict[Var, Split]) -> tuple:
     (lhs_c, rhs_c), _ = m.dot.params["dimension_numbers"]
     w, ct = m.dot.invars[m.weight], m.dot.invars[1 - m.weight]
     w_c, ct_c = (lhs_c, rhs_c) if m.weight == 0 else (rhs_c, lhs_c)
-    w_free = tuple(s for d, s in enumerate(w.aval.shape) if d not in w_c)
-    ct_free = tuple(s for d, s in enumerate(ct.aval.shape) if d not in ct_c)
-    factor = _split(known, w)[m.split_dim]
-    k = math.prod(w.aval.shape[d] for d in w_c)
+    w_free = tuple(s for d, s in enumerate(_shape(w)) if d not in w_c)
+    ct_free = tuple(s for d, s in enumerate(_shape(ct)) if d not in ct_c)
+    split = _split(known, w)
+    assert split is not None
+    factor = split[m.split_dim]
+    k = math.prod(_shape(w)[d] for d in w_c)
     if k % factor:
         return ("indivisible", id(m))
     params = m.dot.params
@@ -348,9 +361,9 @@ def _compatibility(m: _Member, known: dict[Var, Split]) -> tuple:
         m.weight,
         w_free,
         ct_free,
-        str(m.dot.outvars[0].aval.dtype),
-        str(ct.aval.dtype),
-        str(w.aval.dtype),
+        str(_dtype(m.dot.outvars[0])),
+        str(_dtype(ct)),
+        str(_dtype(w)),
         str(params.get("precision")),
         str(params.get("preferred_element_type")),
     )
@@ -447,7 +460,7 @@ def _one_product(s: _Sum, read: Callable[[Any], Any]) -> jax.Array:
     )
     if first.weight == 0:  # the dot wrote the weight's free dimensions first
         out = jnp.transpose(out, [*range(n_free, out.ndim), *range(n_free)])
-    out = out.astype(s.root.outvars[0].aval.dtype)
+    out = out.astype(_dtype(s.root.outvars[0]))
     for v in s.others:
         out = out + read(v)
     return out

@@ -66,21 +66,29 @@ class Accumulation:
     reason: str = ""
 
 
-def tensor_reduced_once(grads_fn: GradsFn, plan: ShardingPlan) -> GradsFn:
-    """``grads_fn`` with the input gradient of separate projections of one input reduced once over
-    ``tensor`` (``shardkit.parallel.input_gradients``); unchanged where ``tensor`` is 1."""
+def reduced_as_megatron(grads_fn: GradsFn, plan: ShardingPlan, tables: bool = True) -> GradsFn:
+    """``grads_fn`` with its backward pass rewritten where XLA would reduce more than the layout
+    needs (``shardkit.parallel.input_gradients``): the input gradient of separate projections of
+    one input reduced once over ``tensor``, and (``tables``) each embedding table's gradient
+    reduced onto its shards where the batch's row axes both split the table and do not (XLA
+    all-reduces the whole table there). Unchanged where neither applies, and under explicit axes
+    (their sharding is in the types, which the rewrite does not follow)."""
     size = dict(plan.mesh.shape).get("tensor", 1)
-    if size == 1 or plan.layout.explicit:  # explicit axes put sharding in the types, which it would have to follow
+    rows = _row_axes(plan)
+    tables_apply = tables and len(rows) > 1
+    if plan.layout.explicit or (size == 1 and not tables_apply):
         return grads_fn
     specs = plan.param_specs
-    tables = Tables(plan.mesh, _row_axes(plan), lambda params, *rest: (specs, *([None] * len(rest))))
     splits = jax.tree.map(
-        lambda spec, x: tensor_blocks(spec, len(x.shape), size),
-        plan.param_specs,
+        lambda spec, x: tensor_blocks(spec, len(x.shape), size) if size > 1 else None,
+        specs,
         plan.abstract_params,
         is_leaf=lambda s: isinstance(s, PartitionSpec),
     )
-    return reduce_input_gradients_once(grads_fn, lambda params, *rest: (splits, *([None] * len(rest))), tables)
+    in_params = lambda tree: lambda params, *rest: (tree, *([None] * len(rest)))
+    return reduce_input_gradients_once(
+        grads_fn, in_params(splits), Tables(plan.mesh, rows, in_params(specs)) if tables_apply else None
+    )
 
 
 def tensor_blocks(spec: PartitionSpec, ndim: int, size: int) -> tuple[int, ...] | None:
@@ -211,14 +219,12 @@ def choose(
         """Gradients reduced once over ``axes``, or per microbatch when ``axes`` is empty."""
         if schedule is not None:
             return pipelined_grads(model, loss, precision, schedule, plan, axes)
-        plain = tensor_reduced_once(plain_grads(model, loss, precision), plan)
+        plain = plain_grads(model, loss, precision)
         if microbatches == 1:
-            return plain
-        return (
-            once_reduced_grads(plain, microbatches, plan, axes)
-            if axes
-            else accumulated_grads(plain, microbatches, plan)
-        )
+            return reduced_as_megatron(plain, plan)
+        if axes:  # vmapped over the rows' blocks, reduced after the loop: no reduction inside
+            return once_reduced_grads(reduced_as_megatron(plain, plan, tables=False), microbatches, plan, axes)
+        return accumulated_grads(reduced_as_megatron(plain, plan), microbatches, plan)
 
     if microbatches == 1 and schedule is None:  # no loop: the step's one gradient is reduced once
         return reducing(()), Accumulation(reduce, "once")
