@@ -123,6 +123,11 @@ def test_tensor_parallel_user_models_reduce_megatrons_count(kind):
     big = [c for c in report.collectives if c.kind == "all-reduce" and c.payload_bytes >= act]
     assert all(c.axes == ("tensor",) for c in big), big
     assert 4 * CFG.layers <= sum(c.count for c in big) <= 4 * CFG.layers + 2, big
+    # Named by the user's module, in the direction of their bytes (XLA combines one of them with
+    # the loss's small sums).
+    in_layers = [c for c in big if "layers/" in c.op or "block_" in c.op]
+    for direction in ("forward", "backward"):
+        assert sum(c.count for c in in_layers if c.direction == direction) == 2 * CFG.layers, in_layers
     bound = report.lower_bound["bytes_per_device"]
     assert bound == pytest.approx(4 * CFG.layers * ring_all_reduce(act, 8))
     assert report.moved_bytes <= bound * (4 * CFG.layers + 2) / (4 * CFG.layers) * 1.01

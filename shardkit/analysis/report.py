@@ -92,7 +92,7 @@ def collective_stats(
     for c in found:
         axes = hlo.mesh_axes_of(c.groups, mesh)
         n = c.group_size or 1
-        op, direction = source_op(c.op_name)
+        op, direction = source_op(c.op_name, [math.prod(shape) for shape in c.shapes])
         kind, lowered = reading.kind_of(c, tuple(axes), direction, n)
         payload = c.payload_bytes * (n if c.kind == "reduce-scatter" else 1)
         crosses = any(len({host_of[i] for i in g if i < len(host_of)}) > 1 for g in c.groups)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 _PLUMBING = {"while", "body", "closed_call", "checkpoint", "remat", "rematted_computation", "cond", ""}
@@ -25,8 +26,13 @@ _WRAPPER = re.compile(r"\b(?:jvp|transpose|jit|remat|checkpoint|vmap|pjit)\(([^(
 GRADIENT_REDUCTION_SCOPE = "reduce_gradients"
 
 
-def source_op(op_name: str) -> tuple[str, str]:
+def source_op(op_name: str, sizes: Sequence[int] = ()) -> tuple[str, str]:
     """``(op, direction)`` of an HLO op_name, e.g. ``("layer/attn/out_proj/dot_general", "forward")``.
+
+    A combined op (XLA's combiners join several collectives' op_names) goes the way most of its
+    bytes go and is named after its largest part, given the parts' ``sizes`` (elements, one per
+    part, in the op_name's order); without them, the way most of its parts go (a tie the way
+    the first goes), named after the first of those.
 
     Example:
       >>> source_op("jit(step)/transpose(jvp())/while/body/closed_call/layer/mlp/down_proj/dot_general")
@@ -35,18 +41,27 @@ def source_op(op_name: str) -> tuple[str, str]:
       ('reduce_gradients/reduce_sum (+2 combined)', 'backward')
       >>> source_op("jit(step)/transpose(jvp())/layer/(attn/reduce_sum:mlp/down_proj/dot_general)")
       ('layer/attn/reduce_sum (+1 combined)', 'backward')
+      >>> source_op("jit(step)/(transpose(jvp(l))/q/dot_general:jvp()/reduce_sum:jvp()/reduce_sum)", [4096, 16, 16])
+      ('l/q/dot_general (+2 combined)', 'backward')
     """
     combined = _combined_parts(op_name)
     directions = [_direction(part) for part in combined]
-    backward = directions.count("backward")
-    # A combined op goes the way most of its parts go (a tie the way the first goes), and is named
-    # after the first of those.
-    direction = (
-        "backward"
-        if 2 * backward > len(combined) or (2 * backward == len(combined) and directions[0] == "backward")
-        else "forward"
-    )
-    named = combined[directions.index(direction)]
+    if len(sizes) == len(combined) > 1:
+        # A 2 MB input gradient combined with a dozen 4-byte norm sums is the input gradient.
+        weight = {d: sum(n for n, x in zip(sizes, directions, strict=True) if x == d) for d in directions}
+        direction = max(weight, key=lambda d: (weight[d], d == directions[0]))
+        named = max(
+            (part for part, d in zip(combined, directions, strict=True) if d == direction),
+            key=lambda part: sizes[combined.index(part)],
+        )
+    else:
+        backward = directions.count("backward")
+        direction = (
+            "backward"
+            if 2 * backward > len(combined) or (2 * backward == len(combined) and directions[0] == "backward")
+            else "forward"
+        )
+        named = combined[directions.index(direction)]
     body = re.sub(r"^jit\([^()]*\)/", "", named)
     while _WRAPPER.search(body):
         body = _WRAPPER.sub(r"\1", body)
