@@ -113,8 +113,9 @@ def reduce_input_gradients_once(
       splits_of: ``splits_of(*args)`` -> a tree like ``args`` whose leaves are tuples (per
         dimension of that argument, into how many contiguous blocks ``tensor`` splits it) or None
         for arguments that are not weights. A None subtree stands for all its leaves.
-      tables: where given, each embedding table's gradient (a scatter into zeros of a parameter's
-        shape) is also reduced onto its shards (:mod:`shardkit.parallel.embedding_gradients`).
+      tables: where given, each embedding table's gradient (a scatter into zeros at the positions
+        a lookup gathered from a parameter) is also reduced onto its shards
+        (:mod:`shardkit.parallel.embedding_gradients`).
 
     Returns:
       A function with ``fn``'s signature and results (equal up to float rounding).
@@ -123,9 +124,9 @@ def reduce_input_gradients_once(
     def once(*args: Any) -> Any:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         leaves = jax.tree.leaves(args)
-        splits = _flat_splits(splits_of(*args), args)
+        splits = _flat_leaves(splits_of(*args), args)
         consts = [None] * len(closed.jaxpr.constvars)
-        table_specs = _flat_splits(tables.specs_of(*args), args) if tables else []
+        table_specs = _flat_leaves(tables.specs_of(*args), args) if tables else []
         plan = _plan(closed.jaxpr, consts + splits, tables, consts + table_specs)
         outs = _evaluate(closed.jaxpr, plan, closed.consts, leaves)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
@@ -133,15 +134,16 @@ def reduce_input_gradients_once(
     return once
 
 
-def _flat_splits(splits: Any, args: Any) -> list[Split]:
-    """One split (or None) per leaf of ``args``."""
-    out: list[Split] = []
-    for sub_splits, sub_args in zip(splits, args, strict=True):
+def _flat_leaves(tree: Any, args: Any) -> list[Any]:
+    """One entry of ``tree`` (a split, a ``PartitionSpec`` or None; ``tree`` is shaped like
+    ``args``, a None subtree standing for all its leaves) per leaf of ``args``. A subtree whose
+    leaves do not match its argument's gives None for each: nothing is rewritten there."""
+    out: list[Any] = []
+    for sub_tree, sub_args in zip(tree, args, strict=True):
         n = len(jax.tree.leaves(sub_args))
-        if sub_splits is None:
-            out.extend([None] * n)
-            continue
-        flat = jax.tree.leaves(sub_splits, is_leaf=lambda s: s is None or isinstance(s, tuple))  # specs too
+        flat = (
+            [] if sub_tree is None else jax.tree.leaves(sub_tree, is_leaf=lambda s: s is None or isinstance(s, tuple))
+        )
         out.extend(flat if len(flat) == n else [None] * n)
     return out
 
