@@ -22,7 +22,6 @@ At every submodule call, each array output whose leading dimension is the batch 
 
 NNX submodule calls also open a ``jax.named_scope`` named by the module's path
 (``layers/0/attn/q``), so reports name NNX ops the way they name Linen ones.
-
 """
 
 from __future__ import annotations

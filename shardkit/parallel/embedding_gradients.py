@@ -73,22 +73,24 @@ class Tables:
         _, indices, updates = eqn.invars
         n_rows = math.prod(dict(self.mesh.shape)[a] for a in self.row_axes)
         if (
-            len(spec) > len(_shape(eqn.outvars[0]))
+            len(spec) > len(var_shape(eqn.outvars[0]))
             or numbers.operand_batching_dims
             or 0 in numbers.update_window_dims
-            or not _shape(indices)
-            or _shape(indices)[0] != _shape(updates)[0]
-            or _shape(indices)[0] % n_rows
+            or not var_shape(indices)
+            or var_shape(indices)[0] != var_shape(updates)[0]
+            or var_shape(indices)[0] % n_rows
         ):
             return None
         return spec
 
 
-def _shape(v: Any) -> tuple[int, ...]:
+def var_shape(v: Any) -> tuple[int, ...]:
+    """The shape of a jaxpr variable."""
     return tuple(v.aval.shape)
 
 
-def _dtype(v: Any) -> Any:
+def var_dtype(v: Any) -> Any:
+    """The dtype of a jaxpr variable."""
     return v.aval.dtype
 
 
@@ -113,7 +115,7 @@ def table_gradient(eqn: JaxprEqn, spec: PartitionSpec, tables: Tables, indices: 
     Returns:
       The table's gradient, shape and dtype of ``eqn``'s result, sharded as ``spec``.
     """
-    shape, dtype = _shape(eqn.outvars[0]), _dtype(eqn.outvars[0])
+    shape, dtype = var_shape(eqn.outvars[0]), var_dtype(eqn.outvars[0])
     sizes = dict(tables.mesh.shape)
     rows = tables.row_axes
     params = eqn.primitive.get_bind_params(eqn.params)

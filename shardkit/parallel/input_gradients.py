@@ -51,7 +51,7 @@ from jax._src import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 from jax.sharding import PartitionSpec
 
-from shardkit.parallel.embedding_gradients import Tables, table_gradient
+from shardkit.parallel.embedding_gradients import Tables, table_gradient, var_dtype, var_shape
 
 # Per dimension of a value: into how many contiguous blocks ``tensor`` splits it (1: whole);
 # None where the value is not a known weight.
@@ -67,11 +67,12 @@ _INNER = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "remat2"
 @dataclass(frozen=True)
 class _Member:
     """One product ``cotangent x weight`` of a sum: the dot, which operand is the weight (0 or 1),
-    and the weight's contracted dimension split over ``tensor``."""
+    the weight's contracted dimension split over ``tensor`` and into how many blocks."""
 
     dot: JaxprEqn
     weight: int
     split_dim: int
+    factor: int
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def _plan(
             pad = [None] * len(inner_jaxpr.constvars)
             inner = _plan(
                 inner_jaxpr,
-                pad + [_split(known, v) for v in eqn.invars],
+                pad + [_get(known, v) for v in eqn.invars],
                 tables,
                 pad + [_get(params, v) for v in eqn.invars],
                 pad + [_get(indices, v) for v in eqn.invars],
@@ -198,7 +199,7 @@ def _plan(
             if spec is not None:
                 plan.scatters[i] = spec
     _find_sums(jaxpr, known, plan)
-    plan.out_splits = [_split(known, v) for v in jaxpr.outvars]
+    plan.out_splits = [_get(known, v) for v in jaxpr.outvars]
     plan.out_indices = [_get(indices, v) for v in jaxpr.outvars]
     return plan
 
@@ -207,20 +208,8 @@ def _get(info: dict[Var, Any], v: Any) -> Any:
     return None if isinstance(v, Literal) else info.get(v)
 
 
-def _shape(v: Any) -> tuple[int, ...]:
-    return tuple(v.aval.shape)
-
-
-def _dtype(v: Any) -> Any:
-    return v.aval.dtype
-
-
 def _open(program: Any) -> Jaxpr:
     return program.jaxpr if isinstance(program, ClosedJaxpr) else program
-
-
-def _split(known: dict[Var, Split], v: Any) -> Split:
-    return None if isinstance(v, Literal) else known.get(v)
 
 
 def _scan_in_splits(eqn: JaxprEqn, known: dict[Var, Split]) -> list[Split]:
@@ -230,7 +219,7 @@ def _scan_in_splits(eqn: JaxprEqn, known: dict[Var, Split]) -> list[Split]:
     body = eqn.params["jaxpr"]
     splits: list[Split] = [None] * len(body.jaxpr.constvars)
     for j, v in enumerate(eqn.invars):
-        s = _split(known, v)
+        s = _get(known, v)
         if j < n_consts:
             splits.append(s)
         elif j < n_consts + n_carry:
@@ -258,11 +247,12 @@ def _note_inner(plan: _Plan, known: dict[Var, Split], i: int, eqn: JaxprEqn, inn
 def _find_sums(jaxpr: Jaxpr, known: dict[Var, Split], plan: _Plan) -> None:
     """Sums (trees of ``add_any``) of two or more products of a cotangent with a known weight."""
     producer = {v: (i, e) for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    uses: dict[Var, int] = {}
+    users: dict[Var, list[JaxprEqn]] = {}
     for e in jaxpr.eqns:
         for v in e.invars:
             if not isinstance(v, Literal):
-                uses[v] = uses.get(v, 0) + 1
+                users.setdefault(v, []).append(e)
+    uses = {v: len(u) for v, u in users.items()}
     for v in jaxpr.outvars:
         if not isinstance(v, Literal):
             uses[v] = uses.get(v, 0) + 1
@@ -272,12 +262,6 @@ def _find_sums(jaxpr: Jaxpr, known: dict[Var, Split], plan: _Plan) -> None:
             return None
         i, e = producer[v]
         return (i, e) if e.primitive.name == name else None
-
-    users: dict[Var, list[JaxprEqn]] = {}
-    for e in jaxpr.eqns:
-        for v in e.invars:
-            if not isinstance(v, Literal):
-                users.setdefault(v, []).append(e)
 
     def is_inner_add(v: Var) -> bool:
         return uses.get(v) == 1 and [e.primitive.name for e in users.get(v, [])] == ["add_any"]
@@ -314,14 +298,14 @@ def _members(
         found = single_use_by(v, "dot_general")
         member = _member(found[1], known) if found else None
         if member is not None:
-            groups.setdefault(_compatibility(member, known), []).append((found[0], member))
+            groups.setdefault(_compatibility(member), []).append((found[0], member))
     if not groups:
         return None
-    key, group = max(groups.items(), key=lambda kv: len(kv[1]))
-    if len(group) < 2 or key[0] == "indivisible":
+    group = max(groups.values(), key=len)
+    if len(group) < 2:
         return None
     in_group = {m.dot.outvars[0] for _, m in group}
-    return key[0], group, [v for v in leaves if isinstance(v, Literal) or v not in in_group]
+    return group[0][1].factor, group, [v for v in leaves if isinstance(v, Literal) or v not in in_group]
 
 
 def _member(dot: JaxprEqn, known: dict[Var, Split]) -> _Member | None:
@@ -330,7 +314,7 @@ def _member(dot: JaxprEqn, known: dict[Var, Split]) -> _Member | None:
     (lhs_c, rhs_c), (lhs_b, rhs_b) = dot.params["dimension_numbers"]
     if lhs_b or rhs_b:
         return None
-    sides = [_split(known, v) for v in dot.invars]
+    sides = [_get(known, v) for v in dot.invars]
     if (sides[0] is None) == (sides[1] is None):
         return None
     weight = 0 if sides[0] else 1
@@ -340,32 +324,29 @@ def _member(dot: JaxprEqn, known: dict[Var, Split]) -> _Member | None:
     split_dims = [d for d in contracted if split[d] > 1]
     if len(split_dims) != 1 or any(split[d] > 1 for d in range(len(split)) if d not in contracted):
         return None
-    return _Member(dot, weight, split_dims[0])
+    factor = split[split_dims[0]]
+    if math.prod(var_shape(dot.invars[weight])[d] for d in contracted) % factor:
+        return None
+    return _Member(dot, weight, split_dims[0], factor)
 
 
-def _compatibility(m: _Member, known: dict[Var, Split]) -> tuple:
+def _compatibility(m: _Member) -> tuple:
     """Members that can share one product: same factor, weight side, free shapes, result type
     and dot options."""
     (lhs_c, rhs_c), _ = m.dot.params["dimension_numbers"]
     w, ct = m.dot.invars[m.weight], m.dot.invars[1 - m.weight]
     w_c, ct_c = (lhs_c, rhs_c) if m.weight == 0 else (rhs_c, lhs_c)
-    w_free = tuple(s for d, s in enumerate(_shape(w)) if d not in w_c)
-    ct_free = tuple(s for d, s in enumerate(_shape(ct)) if d not in ct_c)
-    split = _split(known, w)
-    assert split is not None
-    factor = split[m.split_dim]
-    k = math.prod(_shape(w)[d] for d in w_c)
-    if k % factor:
-        return ("indivisible", id(m))
+    w_free = tuple(s for d, s in enumerate(var_shape(w)) if d not in w_c)
+    ct_free = tuple(s for d, s in enumerate(var_shape(ct)) if d not in ct_c)
     params = m.dot.params
     return (
-        factor,
+        m.factor,
         m.weight,
         w_free,
         ct_free,
-        str(_dtype(m.dot.outvars[0])),
-        str(_dtype(ct)),
-        str(_dtype(w)),
+        str(var_dtype(m.dot.outvars[0])),
+        str(var_dtype(ct)),
+        str(var_dtype(w)),
         str(params.get("precision")),
         str(params.get("preferred_element_type")),
     )
@@ -462,7 +443,7 @@ def _one_product(s: _Sum, read: Callable[[Any], Any]) -> jax.Array:
     )
     if first.weight == 0:  # the dot wrote the weight's free dimensions first
         out = jnp.transpose(out, [*range(n_free, out.ndim), *range(n_free)])
-    out = out.astype(_dtype(s.root.outvars[0]))
+    out = out.astype(var_dtype(s.root.outvars[0]))
     for v in s.others:
         out = out + read(v)
     return out
