@@ -352,5 +352,22 @@ def count(hlo: str | Program) -> dict[str, int]:
     return {k: sum(c.executions for c in found if c.kind == k) for k in COLLECTIVE_KINDS}
 
 
+def largest_array_bytes(hlo: str | Program) -> int:
+    """Bytes of the largest array any instruction of a compiled module produces on one device
+    (each element of a tuple counted alone; 0 for a module without arrays). An upper bound on
+    its largest buffer: instructions inside fusions are counted too, though they get none.
+
+    Example:
+      >>> largest_array_bytes("ENTRY %main {\\n  %p = f32[256,128]{1,0} parameter(0)\\n}")
+      131072
+    """
+    sizes = (
+        element_bytes(m["dtype"]) * math.prod(int(x) for x in m["dims"].split(",") if x)
+        for instruction in _program(hlo).instructions
+        for m in _ARRAY.finditer(instruction.shape)
+    )
+    return int(max(sizes, default=0))
+
+
 # For the readers of instructions' uses (shardkit.analysis.hlo_uses).
 CALLS, as_program, array_dims = _CALLS, _program, _dims

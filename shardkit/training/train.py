@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardkit.analysis.hlo import largest_array_bytes
 from shardkit.analysis.report import Report, build_report
 from shardkit.core.config import check_fsdp_min_size
 from shardkit.core.errors import InputError, LayoutError, ModelError, short_repr
@@ -34,6 +35,7 @@ from shardkit.core.sharding import ShardingPlan, plan_sharding, unnamed_model_no
 from shardkit.core.state import TrainState
 from shardkit.models.model import Model
 from shardkit.parallel.schedule import Schedule
+from shardkit.runtime.host_allocator import temp_heap_options
 from shardkit.runtime.xla_flags import step_compiler_options
 from shardkit.training.accumulation import choose
 from shardkit.training.losses import LossFn, cross_entropy, like, mse_loss, next_token_loss
@@ -353,8 +355,20 @@ class Trainer:
         if key not in self._compiled:
             if self.loss is next_token_loss and "tokens" in batch:  # arrays that skipped shard_batch's checks
                 check_sequence_length(tuple(batch["tokens"].shape), self.model.info.get("max_seq"))
-            self._compiled[key] = self.lower(batch).compile(compiler_options=self.compiler_options)
+            self._compiled[key] = self._compile_to_run(self.lower(batch))
         return self._compiled[key]
+
+    def _compile_to_run(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        """``lowered`` compiled with :attr:`compiler_options`; on the CPU, where the temporaries
+        are large and made of arrays of at most 16 MiB, compiled again with them split into heaps
+        that glibc keeps between steps (the same program: only its host memory is allocated
+        differently; :func:`shardkit.runtime.host_allocator.temp_heap_options`)."""
+        compiled = lowered.compile(compiler_options=self.compiler_options)
+        platform, temp = self.mesh.devices.flat[0].platform, compiled.memory_analysis().temp_size_in_bytes
+        if not temp_heap_options(platform, temp, largest_array_bytes=0):  # not even without large arrays
+            return compiled
+        heaps = temp_heap_options(platform, temp, largest_array_bytes(compiled.as_text()))
+        return lowered.compile(compiler_options={**self.compiler_options, **heaps}) if heaps else compiled
 
     def evaluate(self, params: Any, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """The loss of ``params`` (a state's ``.params``, or the state itself) on ``batch``: no
@@ -388,7 +402,7 @@ class Trainer:
             state = self.abstract_state()
             with use_sharding(self.mesh, self.rules), self._mesh_context():
                 lowered = jitted.lower(state.params, state.model_state, abstract)
-                self._compiled[key] = lowered.compile(compiler_options=self.compiler_options)
+                self._compiled[key] = self._compile_to_run(lowered)
         loss, count = self._compiled[key](params, model_state, batch)
         return {"loss": loss, "tokens": count}
 
