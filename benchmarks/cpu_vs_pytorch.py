@@ -8,16 +8,21 @@ the same cores, alternating runs.
 The model on both sides: vocabulary 256 (bytes), d=256, 4 layers, 4 heads of 64, SwiGLU 1024,
 RMSNorm, rotary positions, untied head: 4.33M parameters; batch 16 x 128, fp32, AdamW. PyTorch
 is not a dependency of shardkit: without it (here or at ``--torch-python``) only shardkit runs.
-shardkit runs four ways: its layer stack scanned (the default), the scan unrolled with the
+shardkit runs five ways: its layer stack scanned (the default), the scan unrolled with the
 parameters still stacked (``GPTConfig(scan_unroll=True)``), the layers unrolled
-(``GPTConfig(scan_layers=False)``), and the default with glibc's allocator settings
-(no ``glibc.malloc.hugetlb`` tunable: each step's host buffers mapped in 4 KB pages, not huge
-ones; page faults per step are printed). Each run is its own process; the best of ``--rounds`` counts.
+(``GPTConfig(scan_layers=False)``), each started as the ``shardkit`` command starts (huge pages);
+the default as a script or notebook of your own runs it (glibc's allocator settings, no
+``glibc.malloc.hugetlb`` tunable: the step's temporaries in heaps glibc keeps,
+``shardkit.runtime.host_allocator``); and that again as it ran before those heaps
+(``SHARDKIT_HOST_ALLOCATOR=system``: XLA's single heap, mapped in afresh each step). Each run is
+its own process; rounds alternate the runs, and the medians over ``--rounds`` count. Page faults
+per step are printed.
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -30,11 +35,14 @@ SHARDKIT_FORMS = {
     "shardkit": {},
     "shardkit-scan-unroll": {"scan_unroll": True},
     "shardkit-unrolled": {"scan_layers": False},
-    "shardkit-glibc-malloc": {},  # the default form, its host buffers in 4 KB pages (below)
+    "shardkit-glibc-malloc": {},  # the default form as your own script runs it (below)
+    "shardkit-one-heap": {},  # ... and as it ran before the heaps
 }
-# Workers that run with glibc's defaults, each step's host buffers mapped in 4 KB pages (the others
-# start as the shardkit command would, shardkit.runtime.host_allocator).
-GLIBC_DEFAULTS = {"shardkit-glibc-malloc"}
+# Workers that run with glibc's defaults, no huge pages (the others start as the shardkit command
+# would, shardkit.runtime.host_allocator) ...
+GLIBC_DEFAULTS = {"shardkit-glibc-malloc", "shardkit-one-heap"}
+# ... and of those, the one whose step keeps XLA's single heap of temporaries.
+ONE_HEAP = {"shardkit-one-heap"}
 
 
 def shardkit_worker(steps: int, warmup: int, form: dict) -> dict:
@@ -181,6 +189,8 @@ def run_worker(python: str, worker: str, steps: int, warmup: int) -> dict:
 
         # glibc's defaults for the comparison form, whatever this shell asks for
         env = without_huge_pages(env) if worker in GLIBC_DEFAULTS else with_huge_pages(env)
+        if worker in ONE_HEAP:
+            env["SHARDKIT_HOST_ALLOCATOR"] = "system"
     proc = subprocess.run(
         [python, os.path.abspath(__file__), "--worker", worker, "--steps", str(steps), "--warmup", str(warmup)],
         capture_output=True,
@@ -224,22 +234,29 @@ def main() -> None:
         runners["torch"] = args.torch_python
     else:
         print(f"PyTorch is not importable by {args.torch_python}: timing shardkit only")
-    best: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {name: [] for name in runners}
     for _ in range(args.rounds):  # alternate, so the machine's drift touches each side alike
         for name, python in runners.items():
-            result = run_worker(python, name, args.steps, args.warmup)
-            if name not in best or result["tokens_per_s"] > best[name]["tokens_per_s"]:
-                best[name] = result
+            runs[name].append(run_worker(python, name, args.steps, args.warmup))
+    median = {name: medians(results) for name, results in runs.items()}
+    print(f"medians of {args.rounds} rounds")
     print(f"{'run':22s} {'parameters':>12s} {'tokens/s':>10s} {'vs torch':>9s} {'page faults/step':>17s}")
-    for name, result in best.items():
-        ratio = result["tokens_per_s"] / best["torch"]["tokens_per_s"] if "torch" in best else float("nan")
+    for name, result in median.items():
+        ratio = result["tokens_per_s"] / median["torch"]["tokens_per_s"] if "torch" in median else float("nan")
         faults = f"{result['page_faults_per_step']:17,.0f}" if "page_faults_per_step" in result else f"{'':17s}"
         print(f"{name:22s} {result['parameters']:12,d} {result['tokens_per_s']:10,.0f} {ratio:9.3f} {faults}")
     if args.json:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from _results import write_json
 
-        write_json(args.json, {"rounds": args.rounds, "steps": args.steps, "best": best})
+        write_json(args.json, {"rounds": args.rounds, "steps": args.steps, "median": median, "runs": runs})
+
+
+def medians(results: list[dict]) -> dict:
+    """Each figure's median over the rounds of one run (``parameters`` is the same in all)."""
+    return {key: statistics.median(r[key] for r in results) for key in results[0]} | {
+        "parameters": results[0]["parameters"]
+    }
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Huge pages for CPU steps' host buffers (shardkit.runtime.host_allocator), counted in page faults.
+"""Host memory of CPU steps (shardkit.runtime.host_allocator): temporaries in heaps glibc keeps,
+and huge pages, counted in page faults.
 
-glibc reads its tunables when a process starts, so each case that computes runs in a fresh one.
+glibc reads its tunables when a process starts and adapts its mmap threshold to what a process
+freed, so each case that computes runs in a fresh one.
 """
 
 import json
@@ -10,8 +12,18 @@ import sys
 
 import pytest
 
+from shardkit.analysis.hlo import largest_array_bytes
 from shardkit.core.errors import InputError
-from shardkit.runtime.host_allocator import TUNABLE, huge_pages_on_request, jax_is_cpu_only, with_huge_pages
+from shardkit.runtime.host_allocator import (
+    GLIBC_REUSE_LIMIT,
+    HEAP_LIMIT,
+    HEAP_OPTION,
+    TUNABLE,
+    huge_pages_on_request,
+    jax_is_cpu_only,
+    temp_heap_options,
+    with_huge_pages,
+)
 
 # 128 MiB results (32,768 pages of 4 KB): over glibc's largest mmap threshold (32 MiB), so each
 # one is mapped in fresh and unmapped when freed.
@@ -100,3 +112,101 @@ def test_a_misspelled_mode_is_refused_with_the_choices():
     proc = subprocess.run(["shardkit", "dryrun", "--help"], capture_output=True, text=True, env=env)
     assert proc.returncode != 0 and "choose one of auto, huge_pages, system" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_temporaries_are_split_only_on_the_cpu_when_large_and_made_of_small_arrays():
+    big, small = 212 * 2**20, 8 * 2**20
+    assert temp_heap_options("cpu", big, small, environ={}) == {HEAP_OPTION: HEAP_LIMIT}
+    assert temp_heap_options("cpu", big, HEAP_LIMIT, environ={}) == {HEAP_OPTION: HEAP_LIMIT}  # an array fills a heap
+    assert temp_heap_options("gpu", big, small, environ={}) == {}
+    assert temp_heap_options("cpu", GLIBC_REUSE_LIMIT, small, environ={}) == {}  # glibc keeps it whole already
+    assert temp_heap_options("cpu", big, HEAP_LIMIT + 1, environ={}) == {}  # it would get a heap of its own
+    assert temp_heap_options("cpu", big, small, environ={"SHARDKIT_HOST_ALLOCATOR": "system"}) == {}
+    with pytest.raises(InputError, match="choose one of auto, huge_pages, system"):
+        temp_heap_options("cpu", big, small, environ={"SHARDKIT_HOST_ALLOCATOR": "heaps"})
+
+
+def test_the_largest_array_of_a_compiled_program():
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((512, 64), jnp.float32)
+    text = jax.jit(lambda x: (x @ x.T).sum()).lower(x).compile().as_text()
+    assert largest_array_bytes(text) == 512 * 512 * 4  # x @ x.T, larger than x
+    tuple_shape = "ENTRY %main {\n  %t = (f32[10]{0}, s8[3,1000]{1,0}) parameter(0)\n}"
+    assert largest_array_bytes(tuple_shape) == 3000  # each element of a tuple alone
+    assert largest_array_bytes("ENTRY %main {\n  %t = () tuple()\n}") == 0
+
+
+# The benchmark's GPT at half its depth on 2 devices: 105 MB of temporaries a device, made of
+# arrays of at most 8 MB. Runs the trainer's program and the same step compiled as XLA does by
+# default (one heap), alternately, and counts page faults and resident memory.
+HEAPS = """
+import json, resource
+import jax, optax
+import shardkit as sk
+from shardkit.analysis.hlo import largest_array_bytes
+sk.simulate_devices(2)
+cfg = sk.models.GPTConfig(vocab=256, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, mlp_dim=1024, max_seq=128)
+trainer = sk.Trainer(cfg.model(), optax.adamw(1e-3), "data=2")
+batch = trainer.shard_batch(sk.TextDataset.builtin().batch(0, batch_size=16, seq_len=128))
+split = trainer.compile(batch)
+one_heap = trainer.lower(batch).compile(compiler_options=trainer.compiler_options)
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+def run(program, steps):
+    state, losses, faults, resident = trainer.init(0), [], [], []
+    for _ in range(steps):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        state, metrics = program(state, batch)
+        losses.append(float(metrics["loss"]))
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        resident.append(rss())
+    return {"losses": losses, "faults": faults[2:], "resident": resident}
+
+out = {"split": run(split, 8), "one_heap": run(one_heap, 8)}
+out["temp"] = [p.memory_analysis().temp_size_in_bytes for p in (split, one_heap)]
+out["largest"] = largest_array_bytes(one_heap.as_text())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_cpu_steps_temporaries_stay_mapped_between_steps_at_the_same_size():
+    env = without_tunables() | {"SHARDKIT_HOST_ALLOCATOR": "auto"}  # glibc's defaults: no huge pages
+    proc = subprocess.run([sys.executable, "-c", HEAPS], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    split, one_heap = out["split"], out["one_heap"]
+    temp_split, temp_one = out["temp"]
+    assert temp_one > GLIBC_REUSE_LIMIT and out["largest"] <= HEAP_LIMIT  # the case the split is for
+    assert abs(temp_split - temp_one) <= 0.01 * temp_one  # the same bytes, in heaps
+    assert split["losses"] == one_heap["losses"]  # the same program: the same numbers, bit for bit
+    # One heap: each step maps its temporaries of both devices anew, page by page.
+    assert min(one_heap["faults"]) >= 0.9 * 2 * temp_one / 4096
+    # Heaps: glibc keeps most of them. It still unmaps a whole heap now and then (a thread's arena
+    # trims a free top of 32 MiB or more), so some steps fault in one to five heaps of 4,096 pages.
+    assert sorted(split["faults"])[len(split["faults"]) // 2] <= 0.4 * min(one_heap["faults"])
+    # What glibc keeps is reused, not added to: resident memory does not grow from step to step.
+    assert split["resident"][-1] <= 1.1 * split["resident"][2]
+
+
+def test_a_step_holding_an_array_larger_than_a_heap_keeps_xlas_single_heap():
+    import optax
+
+    import shardkit as sk
+
+    # The embedding's gradient and the logits of a vocabulary of 12,000: 24.6 MB arrays.
+    cfg = sk.models.GPTConfig(vocab=12000, dim=512, n_layers=1, n_heads=4, n_kv_heads=4, mlp_dim=1024, max_seq=128)
+    trainer = sk.Trainer(cfg.model(), optax.adamw(1e-3), "data=8")
+    batch = sk.TextDataset.builtin().batch(0, batch_size=32, seq_len=128)
+    lowered = trainer.lower(batch)
+    one_heap = lowered.compile(compiler_options=trainer.compiler_options)
+    split = lowered.compile(compiler_options={**trainer.compiler_options, HEAP_OPTION: HEAP_LIMIT})
+    temp = one_heap.memory_analysis().temp_size_in_bytes
+    assert largest_array_bytes(one_heap.as_text()) > HEAP_LIMIT and temp > GLIBC_REUSE_LIMIT
+    # Split, each large array would get a heap of its own and share its bytes with nothing.
+    assert split.memory_analysis().temp_size_in_bytes > 1.3 * temp
+    assert trainer.compile(batch).memory_analysis().temp_size_in_bytes == temp

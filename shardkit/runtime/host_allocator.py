@@ -79,8 +79,8 @@ def requested_mode(environ: Mapping[str, str] = os.environ) -> str:
     mode = environ.get(ENV, "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise InputError(
-            f"{ENV}={environ[ENV]!r}: choose one of {', '.join(MODES)} (auto asks for huge pages when JAX can "
-            "only compute on the CPU; system leaves glibc's settings alone)."
+            f"{ENV}={environ[ENV]!r}: choose one of {', '.join(MODES)} (auto splits a CPU step's temporaries into "
+            "heaps glibc keeps, and asks for huge pages when JAX can only compute on the CPU; system does neither)."
         )
     return mode
 

@@ -347,7 +347,9 @@ class Trainer:
         return step_compiler_options(platform, self.plan.stacks_layers, half, self.plan.splits_gradients)
 
     def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:
-        """Compile (once per batch shape) the train step for batches shaped like ``batch``.
+        """Compile (once per batch shape) the train step for batches shaped like ``batch``. On the
+        CPU, a step whose temporaries are large is compiled a second time, with them in heaps that
+        glibc keeps between steps (:func:`shardkit.runtime.host_allocator.temp_heap_options`).
 
         ``batch`` may hold arrays or ``jax.ShapeDtypeStruct``: nothing is allocated.
         """
@@ -364,11 +366,13 @@ class Trainer:
         that glibc keeps between steps (the same program: only its host memory is allocated
         differently; :func:`shardkit.runtime.host_allocator.temp_heap_options`)."""
         compiled = lowered.compile(compiler_options=self.compiler_options)
-        platform, temp = self.mesh.devices.flat[0].platform, compiled.memory_analysis().temp_size_in_bytes
+        memory = compiled.memory_analysis()  # None where a backend does not tell
+        platform, temp = self.mesh.devices.flat[0].platform, memory.temp_size_in_bytes if memory else 0
         if not temp_heap_options(platform, temp, largest_array_bytes=0):  # not even without large arrays
             return compiled
-        heaps = temp_heap_options(platform, temp, largest_array_bytes(compiled.as_text()))
-        return lowered.compile(compiler_options={**self.compiler_options, **heaps}) if heaps else compiled
+        heaps = temp_heap_options(platform, temp, largest_array_bytes(compiled.as_text() or ""))
+        options: dict[str, Any] = {**self.compiler_options, **heaps}
+        return lowered.compile(compiler_options=options) if heaps else compiled
 
     def evaluate(self, params: Any, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """The loss of ``params`` (a state's ``.params``, or the state itself) on ``batch``: no
