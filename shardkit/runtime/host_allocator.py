@@ -13,7 +13,7 @@ Two remedies, both automatic:
 - **Temporaries in heaps of at most 16 MiB** (:func:`temp_heap_options`, in the process, for
   every script and notebook). XLA's option ``xla_multiheap_size_constraint_per_heap`` splits
   the temporary buffer into heaps of at most that size, each under glibc's threshold, so glibc
-  keeps them between steps: 9,000-13,000 faults a step for that GPT, and the step 16-18% faster.
+  keeps them between steps: 8,000-14,000 faults a step for that GPT, and the step 13-19% faster.
   A buffer larger than a heap would get a heap of its own and share its memory with no other
   (a 4-layer gpt2-small under ``fsdp=8``: 637 MB of temporaries became 1,080 MB), so a program
   holding an array over 16 MiB keeps XLA's single heap; so does one whose temporaries fit
