@@ -15,8 +15,10 @@ the default as a script or notebook of your own runs it (glibc's allocator setti
 ``glibc.malloc.hugetlb`` tunable: the step's temporaries in heaps glibc keeps,
 ``shardkit.runtime.host_allocator``); and that again as it ran before those heaps
 (``SHARDKIT_HOST_ALLOCATOR=system``: XLA's single heap, mapped in afresh each step). Each run is
-its own process; rounds alternate the runs, and the medians over ``--rounds`` count. Page faults
-per step are printed.
+its own process; rounds alternate the runs, and the medians over ``--rounds`` count. Each run
+times every step: tokens/s over all of them, and at its median step (which leaves out steps
+another tenant of a shared machine slowed; both sides are timed so). Page faults per step are
+printed.
 """
 
 import argparse
@@ -73,17 +75,26 @@ def shardkit_worker(steps: int, warmup: int, form: dict) -> dict:
         state, metrics = trainer.step(state, b)
     jax.block_until_ready(metrics["loss"])
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    start = time.perf_counter()
+    step_seconds = []
     for i in range(steps):
+        start = time.perf_counter()
         state, metrics = trainer.step(state, batches[i % len(batches)])
-    jax.block_until_ready(metrics["loss"])
-    seconds = time.perf_counter() - start
+        jax.block_until_ready(metrics["loss"])  # the guard against non-finite steps waits anyway
+        step_seconds.append(time.perf_counter() - start)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-    return {
-        "tokens_per_s": BATCH * SEQ * steps / seconds,
+    return throughput(step_seconds) | {
         "parameters": params,
         "page_faults_per_step": faults / steps,  # the kernel mapping in fresh host memory
+    }
+
+
+def throughput(step_seconds: list[float]) -> dict:
+    """Tokens/s over all timed steps, and at the median step's time: the second leaves out the
+    steps another tenant of a shared machine slowed (on either side alike)."""
+    return {
+        "tokens_per_s": BATCH * SEQ * len(step_seconds) / sum(step_seconds),
+        "tokens_per_s_median_step": BATCH * SEQ / statistics.median(step_seconds),
     }
 
 
@@ -171,14 +182,15 @@ def _torch_rank(rank: int, world: int, steps: int, warmup: int, queue) -> None:
     for b in batches[:warmup]:
         step(b)
     dist.barrier()
-    start = time.perf_counter()
-    for i in range(steps):
+    step_seconds = []
+    for i in range(steps):  # each step ends in lockstep: DDP's all-reduce waits for both ranks
+        start = time.perf_counter()
         step(batches[i % len(batches)])
+        step_seconds.append(time.perf_counter() - start)
     dist.barrier()
-    seconds = time.perf_counter() - start
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
-        queue.put({"tokens_per_s": BATCH * SEQ * steps / seconds, "parameters": params})
+        queue.put(throughput(step_seconds) | {"parameters": params})
     dist.destroy_process_group()
 
 
@@ -240,11 +252,20 @@ def main() -> None:
             runs[name].append(run_worker(python, name, args.steps, args.warmup))
     median = {name: medians(results) for name, results in runs.items()}
     print(f"medians of {args.rounds} rounds")
-    print(f"{'run':22s} {'parameters':>12s} {'tokens/s':>10s} {'vs torch':>9s} {'page faults/step':>17s}")
+    print(
+        f"{'run':22s} {'parameters':>12s} {'tokens/s':>10s} {'vs torch':>9s} "
+        f"{'median step':>12s} {'vs torch':>9s} {'page faults/step':>17s}"
+    )
     for name, result in median.items():
-        ratio = result["tokens_per_s"] / median["torch"]["tokens_per_s"] if "torch" in median else float("nan")
+        ratios = [
+            result[key] / median["torch"][key] if "torch" in median else float("nan")
+            for key in ("tokens_per_s", "tokens_per_s_median_step")
+        ]
         faults = f"{result['page_faults_per_step']:17,.0f}" if "page_faults_per_step" in result else f"{'':17s}"
-        print(f"{name:22s} {result['parameters']:12,d} {result['tokens_per_s']:10,.0f} {ratio:9.3f} {faults}")
+        print(
+            f"{name:22s} {result['parameters']:12,d} {result['tokens_per_s']:10,.0f} {ratios[0]:9.3f} "
+            f"{result['tokens_per_s_median_step']:12,.0f} {ratios[1]:9.3f} {faults}"
+        )
     if args.json:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from _results import write_json

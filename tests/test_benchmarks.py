@@ -139,6 +139,7 @@ def test_cpu_vs_pytorch_benchmark_times_shardkit_without_pytorch(tmp_path):
     forms = {"shardkit", "shardkit-scan-unroll", "shardkit-unrolled", "shardkit-glibc-malloc", "shardkit-one-heap"}
     assert set(median) >= forms
     assert all(r["tokens_per_s"] > 0 and r["parameters"] == 4_327_680 for r in median.values())
+    assert all(r["tokens_per_s_median_step"] > 0 for r in median.values())
     faults = {name: median[name]["page_faults_per_step"] for name in forms}
     # XLA's single heap under glibc's defaults maps each step's 212 MB of temporaries per device in
     # anew: 51,800 pages of 4 KB a device. In heaps of 16 MiB glibc keeps most of them; huge pages

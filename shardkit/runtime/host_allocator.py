@@ -10,14 +10,17 @@ threshold, where glibc keeps freed memory for reuse.
 
 Two remedies, both automatic:
 
-- **Temporaries in heaps of at most 16 MiB** (:func:`temp_heap_options`, in the process, for
-  every script and notebook). XLA's option ``xla_multiheap_size_constraint_per_heap`` splits
-  the temporary buffer into heaps of at most that size, each under glibc's threshold, so glibc
-  keeps them between steps: 8,000-14,000 faults a step for that GPT, and the step 13-19% faster.
-  A buffer larger than a heap would get a heap of its own and share its memory with no other
-  (a 4-layer gpt2-small under ``fsdp=8``: 637 MB of temporaries became 1,080 MB), so a program
-  holding an array over 16 MiB keeps XLA's single heap; so does one whose temporaries fit
-  under the threshold whole. The :class:`~shardkit.Trainer` compiles such a step twice.
+- **Temporaries in heaps of at most 16 MiB, kept** (:func:`temp_heap_options` and
+  :func:`keep_heaps`, in the process, for every script and notebook). XLA's option
+  ``xla_multiheap_size_constraint_per_heap`` splits the temporary buffer into heaps of at most
+  that size, each under glibc's threshold, so glibc serves them from its own heaps (8,000-16,000
+  faults a step for that GPT, and the step 13-19% faster); asked with ``mallopt`` not to trim or
+  unmap those heaps when they are free, it faults in none of them again after the first steps
+  (a few hundred faults a step, 3-7% faster again). A buffer larger than a heap would get a
+  heap of its own and share its memory with no other (a 4-layer gpt2-small under ``fsdp=8``:
+  637 MB of temporaries became 1,080 MB), so a program holding an array over 16 MiB keeps XLA's
+  single heap; one whose temporaries fit under the threshold whole needs no split, only the
+  kept heaps. The :class:`~shardkit.Trainer` compiles a step it splits twice.
 - **Huge pages** (:func:`with_huge_pages`, for the processes shardkit starts). glibc's tunable
   ``glibc.malloc.hugetlb=1`` makes it ask for transparent huge pages
   (``madvise(MADV_HUGEPAGE)``) on what it maps: about 1,000 faults a step, and the memory still
@@ -26,14 +29,16 @@ Two remedies, both automatic:
   benchmarks and the tests pass it on. It covers the programs the heaps cannot: those with
   large arrays.
 
-Asking glibc instead, from inside the running process (``mallopt``), to keep every freed buffer
-in one heap for reuse avoided the faults too, but fragmented: ``fsdp=8`` on a 4-layer
-gpt2-small grew to 20 GB resident over 12 steps against 7 GB.
+Asking glibc instead to put every buffer, however large, in one heap (``mallopt``: one arena, no
+``mmap``, no trimming) avoided the faults too, but fragmented: ``fsdp=8`` on a 4-layer
+gpt2-small grew to 20 GB resident over 12 steps against 7 GB. :func:`keep_heaps` leaves buffers
+of 32 MiB or more to ``mmap`` and the arenas as they are: the same gpt2-small stays at 7.0-7.2 GB
+with it.
 
 ``SHARDKIT_HOST_ALLOCATOR`` chooses: ``auto`` (the default: the heaps on the CPU, and huge pages
 when JAX can only compute on the CPU and the kernel gives huge pages on request),
-``huge_pages`` (also with an accelerator installed) or ``system`` (neither: XLA's single heap
-and the environment as it is).
+``huge_pages`` (also with an accelerator installed) or ``system`` (neither: XLA's single heap,
+glibc's settings and the environment as they are).
 
 Example:
   >>> with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, mode="huge_pages")["GLIBC_TUNABLES"]
@@ -44,10 +49,12 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import importlib.util
 import os
 import pathlib
+import platform as platform_module
 import sys
 from collections.abc import Mapping
 
@@ -68,6 +75,12 @@ GLIBC_REUSE_LIMIT = 32 * 2**20
 # heaps, more faults), 24 and 30 MiB 405-427.
 HEAP_LIMIT = 16 * 2**20
 HEAP_OPTION = "xla_multiheap_size_constraint_per_heap"
+# mallopt's parameters (glibc's malloc.h) and what keep_heaps sets them to: the mmap threshold
+# fixed at its largest (setting the pad turns its adjustment off), and a pad larger than a
+# thread's heap (64 MiB), so that no heap is trimmed or unmapped when its top is free.
+M_TOP_PAD, M_MMAP_THRESHOLD = -2, -3
+TOP_PAD = 64 * 2**20
+_heaps_kept = False
 
 
 def requested_mode(environ: Mapping[str, str] = os.environ) -> str:
@@ -168,3 +181,37 @@ def temp_heap_options(
     if temp_bytes <= GLIBC_REUSE_LIMIT or largest_array_bytes > HEAP_LIMIT:
         return {}
     return {HEAP_OPTION: HEAP_LIMIT}
+
+
+def keep_heaps(environ: Mapping[str, str] = os.environ) -> bool:
+    """Ask glibc, in this process, to keep its heaps mapped when their top is free, so that a
+    step's heaps of temporaries (:func:`temp_heap_options`) are not given back to the kernel
+    between steps and faulted in again. Called by the :class:`~shardkit.Trainer` when it compiles
+    a step with those heaps; idempotent.
+
+    glibc unmaps a thread's heap (64 MiB) whose memory is all free, and trims the free top of a
+    heap beyond its pad: on 2 simulated devices, the benchmark's GPT still took 8,000-16,000
+    page faults a step from that. With the pad at 64 MiB (``mallopt(M_TOP_PAD)``) and the mmap
+    threshold at its largest, 32 MiB (``M_MMAP_THRESHOLD``, which the pad would otherwise
+    freeze where it stands), a step takes a few hundred. Memory a step freed stays resident for
+    the next, as in XLA's own allocators on accelerators; buffers of 32 MiB or more are still
+    mapped and unmapped each time. Nothing is changed off glibc, or under
+    ``SHARDKIT_HOST_ALLOCATOR=system``.
+
+    Returns:
+      whether glibc now keeps its heaps (True also when an earlier call set it).
+
+    Raises:
+      InputError: ``SHARDKIT_HOST_ALLOCATOR`` holds something else than one of ``MODES``.
+    """
+    global _heaps_kept
+    if requested_mode(environ) == "system":
+        return False
+    if _heaps_kept:
+        return True
+    if not sys.platform.startswith("linux") or platform_module.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt  # this process's own C library
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    _heaps_kept = mallopt(M_MMAP_THRESHOLD, GLIBC_REUSE_LIMIT) == 1 and mallopt(M_TOP_PAD, TOP_PAD) == 1
+    return _heaps_kept

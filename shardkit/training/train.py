@@ -35,7 +35,7 @@ from shardkit.core.sharding import ShardingPlan, plan_sharding, unnamed_model_no
 from shardkit.core.state import TrainState
 from shardkit.models.model import Model
 from shardkit.parallel.schedule import Schedule
-from shardkit.runtime.host_allocator import temp_heap_options
+from shardkit.runtime.host_allocator import keep_heaps, temp_heap_options
 from shardkit.runtime.xla_flags import step_compiler_options
 from shardkit.training.accumulation import choose
 from shardkit.training.losses import LossFn, cross_entropy, like, mse_loss, next_token_loss
@@ -349,7 +349,8 @@ class Trainer:
     def compile(self, batch: Mapping[str, Any]) -> jax.stages.Compiled:
         """Compile (once per batch shape) the train step for batches shaped like ``batch``. On the
         CPU, a step whose temporaries are large is compiled a second time, with them in heaps that
-        glibc keeps between steps (:func:`shardkit.runtime.host_allocator.temp_heap_options`).
+        glibc keeps between steps (:func:`shardkit.runtime.host_allocator.temp_heap_options`,
+        :func:`~shardkit.runtime.host_allocator.keep_heaps`: a setting of the whole process).
 
         ``batch`` may hold arrays or ``jax.ShapeDtypeStruct``: nothing is allocated.
         """
@@ -364,15 +365,22 @@ class Trainer:
         """``lowered`` compiled with :attr:`compiler_options`; on the CPU, where the temporaries
         are large and made of arrays of at most 16 MiB, compiled again with them split into heaps
         that glibc keeps between steps (the same program: only its host memory is allocated
-        differently; :func:`shardkit.runtime.host_allocator.temp_heap_options`)."""
+        differently; :func:`shardkit.runtime.host_allocator.temp_heap_options`). Where they are
+        in glibc's heaps, split or small enough whole, glibc is asked to keep those heaps
+        (:func:`shardkit.runtime.host_allocator.keep_heaps`)."""
         compiled = lowered.compile(compiler_options=self.compiler_options)
         memory = compiled.memory_analysis()  # None where a backend does not tell
         platform, temp = self.mesh.devices.flat[0].platform, memory.temp_size_in_bytes if memory else 0
         if not temp_heap_options(platform, temp, largest_array_bytes=0):  # not even without large arrays
+            if platform == "cpu" and memory is not None:  # the temporaries fit in one of glibc's heaps
+                keep_heaps()
             return compiled
         heaps = temp_heap_options(platform, temp, largest_array_bytes(compiled.as_text() or ""))
+        if not heaps:
+            return compiled
+        keep_heaps()
         options: dict[str, Any] = {**self.compiler_options, **heaps}
-        return lowered.compile(compiler_options=options) if heaps else compiled
+        return lowered.compile(compiler_options=options)
 
     def evaluate(self, params: Any, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """The loss of ``params`` (a state's ``.params``, or the state itself) on ``batch``: no
