@@ -8,13 +8,15 @@ the same cores, alternating runs.
 The model on both sides: vocabulary 256 (bytes), d=256, 4 layers, 4 heads of 64, SwiGLU 1024,
 RMSNorm, rotary positions, untied head: 4.33M parameters; batch 16 x 128, fp32, AdamW. PyTorch
 is not a dependency of shardkit: without it (here or at ``--torch-python``) only shardkit runs.
-shardkit runs five ways: its layer stack scanned (the default), the scan unrolled with the
+shardkit runs six ways: its layer stack scanned (the default), the scan unrolled with the
 parameters still stacked (``GPTConfig(scan_unroll=True)``), the layers unrolled
 (``GPTConfig(scan_layers=False)``), each started as the ``shardkit`` command starts (huge pages);
-the default as a script or notebook of your own runs it (glibc's allocator settings, no
+the default as a script of your own runs it (glibc's allocator settings, no
 ``glibc.malloc.hugetlb`` tunable: the step's temporaries in heaps glibc keeps,
-``shardkit.runtime.host_allocator``); and that again as it ran before those heaps
-(``SHARDKIT_HOST_ALLOCATOR=system``: XLA's single heap, mapped in afresh each step). Each run is
+``shardkit.runtime.host_allocator``), and as a notebook of your own runs it (the same settings,
+the step run by a cell in a Jupyter kernel; ``pip install -e .[notebooks]``); and that again as
+it ran before those heaps (``SHARDKIT_HOST_ALLOCATOR=system``: XLA's single heap, mapped in
+afresh each step). Each run is
 its own process; rounds alternate the runs, and the medians over ``--rounds`` count. Each run
 times every step: tokens/s over all of them, and at its median step (which leaves out steps
 another tenant of a shared machine slowed; both sides are timed so). Page faults per step are
@@ -38,11 +40,12 @@ SHARDKIT_FORMS = {
     "shardkit-scan-unroll": {"scan_unroll": True},
     "shardkit-unrolled": {"scan_layers": False},
     "shardkit-glibc-malloc": {},  # the default form as your own script runs it (below)
+    "shardkit-notebook": {},  # ... as a notebook of your own runs it, in a Jupyter kernel
     "shardkit-one-heap": {},  # ... and as it ran before the heaps
 }
 # Workers that run with glibc's defaults, no huge pages (the others start as the shardkit command
 # would, shardkit.runtime.host_allocator) ...
-GLIBC_DEFAULTS = {"shardkit-glibc-malloc", "shardkit-one-heap"}
+GLIBC_DEFAULTS = {"shardkit-glibc-malloc", "shardkit-notebook", "shardkit-one-heap"}
 # ... and of those, the one whose step keeps XLA's single heap of temporaries.
 ONE_HEAP = {"shardkit-one-heap"}
 
@@ -87,6 +90,25 @@ def shardkit_worker(steps: int, warmup: int, form: dict) -> dict:
         "parameters": params,
         "page_faults_per_step": faults / steps,  # the kernel mapping in fresh host memory
     }
+
+
+def notebook_worker(steps: int, warmup: int) -> dict:
+    """:func:`shardkit_worker` (the default form) as a cell of a notebook runs it: in a Jupyter
+    kernel (ipykernel, started by nbclient as Jupyter starts one), which inherits this process's
+    environment (glibc's defaults) and imports shardkit itself."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    cell = (
+        "import json\n"
+        "import cpu_vs_pytorch\n"
+        f"print(json.dumps(cpu_vs_pytorch.shardkit_worker({steps}, {warmup}, {{}})))"
+    )
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
+    NotebookClient(nb, timeout=1800, kernel_name="python3", resources={"metadata": {"path": here}}).execute()
+    printed = "".join(o.text for o in nb.cells[0].outputs if o.output_type == "stream" and o.name == "stdout")
+    return json.loads(printed.strip().splitlines()[-1])
 
 
 def throughput(step_seconds: list[float]) -> dict:
@@ -234,11 +256,12 @@ def main() -> None:
     parser.add_argument("--worker", choices=(*SHARDKIT_FORMS, "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = (
-            torch_worker(args.steps, args.warmup)
-            if args.worker == "torch"
-            else shardkit_worker(args.steps, args.warmup, SHARDKIT_FORMS[args.worker])
-        )
+        if args.worker == "torch":
+            result = torch_worker(args.steps, args.warmup)
+        elif args.worker == "shardkit-notebook":
+            result = notebook_worker(args.steps, args.warmup)
+        else:
+            result = shardkit_worker(args.steps, args.warmup, SHARDKIT_FORMS[args.worker])
         print(json.dumps(result))
         return
     runners = dict.fromkeys(SHARDKIT_FORMS, sys.executable)

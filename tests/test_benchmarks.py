@@ -136,7 +136,14 @@ def test_cpu_vs_pytorch_benchmark_times_shardkit_without_pytorch(tmp_path):
         str(tmp_path / "t.json"),
     )
     median = json.loads((tmp_path / "t.json").read_text())["median"]
-    forms = {"shardkit", "shardkit-scan-unroll", "shardkit-unrolled", "shardkit-glibc-malloc", "shardkit-one-heap"}
+    forms = {
+        "shardkit",
+        "shardkit-scan-unroll",
+        "shardkit-unrolled",
+        "shardkit-glibc-malloc",
+        "shardkit-notebook",  # the step run by a cell in a real Jupyter kernel
+        "shardkit-one-heap",
+    }
     assert set(median) >= forms
     assert all(r["tokens_per_s"] > 0 and r["parameters"] == 4_327_680 for r in median.values())
     assert all(r["tokens_per_s_median_step"] > 0 for r in median.values())
@@ -146,6 +153,7 @@ def test_cpu_vs_pytorch_benchmark_times_shardkit_without_pytorch(tmp_path):
     # map the rest 2 MB at a time.
     assert faults["shardkit-one-heap"] > 2 * 40_000
     assert faults["shardkit-glibc-malloc"] < 0.4 * faults["shardkit-one-heap"]
+    assert faults["shardkit-notebook"] < 0.4 * faults["shardkit-one-heap"]  # the kernel keeps them too
     assert faults["shardkit"] < 0.15 * faults["shardkit-one-heap"]
     if "torch" not in median:
         assert "PyTorch is not importable" in out

@@ -203,6 +203,10 @@ def keep_heaps(environ: Mapping[str, str] = os.environ) -> bool:
 
     Raises:
       InputError: ``SHARDKIT_HOST_ALLOCATOR`` holds something else than one of ``MODES``.
+
+    Example:
+      >>> keep_heaps({"SHARDKIT_HOST_ALLOCATOR": "system"})  # XLA's single heap, glibc's defaults
+      False
     """
     global _heaps_kept
     if requested_mode(environ) == "system":
