@@ -2,6 +2,7 @@
 2-D matmuls (only where no device split runs through the dimensions they merge) and the layer
 scan unrolled (the parameters still stacked)."""
 
+import dataclasses
 import re
 
 import jax
@@ -138,3 +139,36 @@ def test_an_unrolled_scan_is_the_scan_without_its_loop():
 def test_a_scan_unroll_that_is_not_a_layer_count_is_refused(bad):
     with pytest.raises(ModelError, match="scan_unroll"):
         GPTConfig(scan_unroll=bad)
+
+
+@pytest.mark.parametrize("layers,unroll", [(4, 1), (4, 2), (4, True), (4, 4), (4, 6), (3, 2), (1, True), (2, True)])
+def test_unrolled_layers_says_whether_the_lowered_stack_loops(layers, unroll):
+    # Read against JAX's own lowering: a loop in the forward pass's StableHLO or none.
+    cfg = GPTConfig.preset("tiny", n_layers=layers, scan_unroll=unroll)
+    model = cfg.model()
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    text = jax.jit(lambda p: model.apply(p, jnp.zeros((2, 8), jnp.int32), None)).lower(params).as_text()
+    assert cfg.unrolled_layers is ("stablehlo.while" not in text)
+    assert model.info["unrolled_layers"] is cfg.unrolled_layers
+    assert GPTConfig.preset("tiny", scan_layers=False, scan_unroll=unroll).unrolled_layers is False
+
+
+def test_an_unrolled_stack_compiles_as_unstacked_layers():
+    # Parameters stacked, no loop: XLA:CPU's default schedule would gather every layer's weights
+    # at the start of the step, as for unstacked layers (tests/test_any_model.py), so the step
+    # takes their options, and needs fewer temporaries than with the options of a loop.
+    batch = {"tokens": jax.ShapeDtypeStruct((16, 65), jnp.int32)}
+    cfg = GPTConfig(vocab=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=4, mlp_dim=512, max_seq=64)
+    scanned = sk.Trainer(cfg.model(), optax.adamw(1e-3), "fsdp=8")
+    unrolled = sk.Trainer(dataclasses.replace(cfg, scan_unroll=True).model(), optax.adamw(1e-3), "fsdp=8")
+    assert scanned.plan.stacks_layers and unrolled.plan.stacks_layers
+    assert scanned.loops_over_layers and not unrolled.loops_over_layers
+    assert scanned.compiler_options == {}
+    assert unrolled.compiler_options == {
+        "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+        "xla_disable_hlo_passes": "cpu-all-reduce-combiner",
+    }
+    lowered = unrolled.lower(batch)
+    as_a_loop = lowered.compile(compiler_options={}).memory_analysis().temp_size_in_bytes
+    chosen = lowered.compile(compiler_options=unrolled.compiler_options).memory_analysis().temp_size_in_bytes
+    assert chosen < 0.85 * as_a_loop, (chosen, as_a_loop)

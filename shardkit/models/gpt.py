@@ -227,6 +227,7 @@ class GPTConfig:
             "dim": self.dim,
             "matmul_params": self.num_params() - lookup_only,
             "max_seq": self.max_seq,
+            "unrolled_layers": self.unrolled_layers,
         }
         return from_nnx(
             lambda rngs: GPT(self, rngs=rngs),
@@ -235,6 +236,14 @@ class GPTConfig:
             stacked_layers="blocks" if self.scan_layers else None,
             boundaries=False,  # GPT constrains its own activations and names its own scopes
         )
+
+    @property
+    def unrolled_layers(self) -> bool:
+        """Whether the stacked layers run without a loop: ``scan_unroll`` takes all of them at
+        once (``lax.scan`` keeps a loop of one trip for a single layer)."""
+        if not self.scan_layers or self.n_layers == 1:
+            return False
+        return self.scan_unroll is True or self.scan_unroll >= self.n_layers
 
     def num_params(self) -> int:
         """Parameter count (embedding, and the output head unless tied, included)."""

@@ -37,7 +37,9 @@ class Model:
       axes: tree of :class:`shardkit.core.partition.Axes` matching ``params``.
       name: shown in tables.
       info: facts reports use when known: ``layers``, ``dim`` (hidden size) and
-        ``matmul_params`` (parameters used in matmuls, for model FLOPs).
+        ``matmul_params`` (parameters used in matmuls, for model FLOPs); ``unrolled_layers``:
+        True where parameters stacked over ``layers`` run without a loop (the step then
+        compiles as for unstacked layers, :attr:`shardkit.Trainer.loops_over_layers`).
       stages: how the model splits into pipeline stages (None: it cannot be pipelined).
       notes: warnings about the model's annotations (e.g. regex rules that matched nothing),
         listed by reports.

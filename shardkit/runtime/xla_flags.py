@@ -102,7 +102,8 @@ def step_compiler_options(
     platform: str, stacks_layers: bool = False, half_compute: bool = False, splits_gradients: bool = False
 ) -> dict[str, str | bool]:
     """Compiler options for one train step, on the CPU only: the memory-minimizing scheduler
-    unless the layers are stacked (:data:`CPU_MEMORY_SCHEDULER`); for a stacked layer stack
+    unless ``stacks_layers``, the layers run in a loop over stacked parameters
+    (:data:`CPU_MEMORY_SCHEDULER`; :attr:`shardkit.Trainer.loops_over_layers`); for a stacked layer stack
     computed in a 16-bit float (``half_compute``), no loop-invariant code motion
     (:data:`CPU_NO_HOISTING`); and when the gradients of layers that are not stacked are
     reduced to shards over the batch's axes (``splits_gradients``), no combining of all-reduces
