@@ -16,11 +16,10 @@ the default as a script of your own runs it (glibc's allocator settings, no
 ``shardkit.runtime.host_allocator``), and as a notebook of your own runs it (the same settings,
 the step run by a cell in a Jupyter kernel; ``pip install -e .[notebooks]``); and that again as
 it ran before those heaps (``SHARDKIT_HOST_ALLOCATOR=system``: XLA's single heap, mapped in
-afresh each step). Each run is
-its own process; rounds alternate the runs, and the medians over ``--rounds`` count. Each run
-times every step: tokens/s over all of them, and at its median step (which leaves out steps
-another tenant of a shared machine slowed; both sides are timed so). Page faults per step are
-printed.
+afresh each step). Each run is its own process; rounds alternate the runs, and the medians over
+``--rounds`` count. Each run times every step: tokens/s over all of them, and at its median step
+(which leaves out steps another tenant of a shared machine slowed; both sides are timed so).
+Page faults per step are printed.
 """
 
 import argparse
