@@ -99,13 +99,13 @@ CPU_NO_COMBINING = "cpu-all-reduce-combiner"
 
 
 def step_compiler_options(
-    platform: str, stacks_layers: bool = False, half_compute: bool = False, splits_gradients: bool = False
+    platform: str, loops_over_layers: bool = False, half_compute: bool = False, splits_gradients: bool = False
 ) -> dict[str, str | bool]:
     """Compiler options for one train step, on the CPU only: the memory-minimizing scheduler
-    unless ``stacks_layers``, the layers run in a loop over stacked parameters
-    (:data:`CPU_MEMORY_SCHEDULER`; :attr:`shardkit.Trainer.loops_over_layers`); for a stacked layer stack
+    unless the step runs its layers in a loop over stacked parameters (``loops_over_layers``,
+    :attr:`shardkit.Trainer.loops_over_layers`; :data:`CPU_MEMORY_SCHEDULER`); for such a loop
     computed in a 16-bit float (``half_compute``), no loop-invariant code motion
-    (:data:`CPU_NO_HOISTING`); and when the gradients of layers that are not stacked are
+    (:data:`CPU_NO_HOISTING`); and when the gradients of layers that are not looped over are
     reduced to shards over the batch's axes (``splits_gradients``), no combining of all-reduces
     (:data:`CPU_NO_COMBINING`).
 
@@ -130,16 +130,16 @@ def step_compiler_options(
       {'xla_cpu_scheduler_type': 'CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'}
       >>> step_compiler_options("gpu")
       {}
-      >>> step_compiler_options("cpu", stacks_layers=True)
+      >>> step_compiler_options("cpu", loops_over_layers=True)
       {}
-      >>> step_compiler_options("cpu", stacks_layers=True, half_compute=True)
+      >>> step_compiler_options("cpu", loops_over_layers=True, half_compute=True)
       {'xla_disable_hlo_passes': 'while-loop-invariant-code-motion'}
     """
     if platform != "cpu":
         return {}
-    options: dict[str, str | bool] = {} if stacks_layers else dict(CPU_MEMORY_SCHEDULER)
-    disabled = [CPU_NO_HOISTING] * (stacks_layers and half_compute)
-    disabled += [CPU_NO_COMBINING] * (splits_gradients and not stacks_layers)
+    options: dict[str, str | bool] = {} if loops_over_layers else dict(CPU_MEMORY_SCHEDULER)
+    disabled = [CPU_NO_HOISTING] * (loops_over_layers and half_compute)
+    disabled += [CPU_NO_COMBINING] * (splits_gradients and not loops_over_layers)
     if disabled:
         options["xla_disable_hlo_passes"] = ",".join(disabled)
     return options

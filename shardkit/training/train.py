@@ -340,8 +340,7 @@ class Trainer:
         """The XLA options the train step (and evaluation) compile with: on the CPU, XLA's
         memory-minimizing scheduler for layers that are not run in a loop
         (:attr:`loops_over_layers`), no loop-invariant code motion for a scanned layer stack
-        computed in bf16, and no combined all-reduces where the
-        gradients are reduced to shards
+        computed in bf16, and no combined all-reduces where the gradients are reduced to shards
         (:func:`shardkit.runtime.xla_flags.step_compiler_options`); otherwise none."""
         platform = self.mesh.devices.flat[0].platform
         half = jnp.dtype(self.precision.compute).itemsize == 2
@@ -351,8 +350,9 @@ class Trainer:
     def loops_over_layers(self) -> bool:
         """Whether the step runs its layers in a loop: the parameters are stacked over ``layers``
         and the model does not unroll that stack (``model.info["unrolled_layers"]``, which
-        ``GPTConfig(scan_unroll=True)`` sets; a pipeline's schedule runs its stages' layers in
-        its own loops). Parameters stacked but unrolled compile as unstacked layers do: under
+        ``GPTConfig(scan_unroll=True)`` sets and a model of your own may pass to
+        ``sk.from_nnx(..., info=...)``; a pipeline's schedule runs its stages' layers in its
+        own loops). Parameters stacked but unrolled compile as unstacked layers do: under
         ``fsdp=8`` the benchmark's GPT with ``scan_unroll=True`` needs 39.2 MB of temporaries
         so, 55.9 MB with the options of a loop."""
         unrolled = bool(self.model.info.get("unrolled_layers")) and self.schedule is None
