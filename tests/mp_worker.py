@@ -48,7 +48,7 @@ result = {"processes": jax.process_count(), "rank": jax.process_index(), "rows":
 if mode in ("train10", "twice"):
     state, result["losses"] = run(trainer.init(0), range(10))
     prompt = data.tokens[:4]
-    result["sample"] = generate(trainer.model, state.params, prompt, 16, 32, temperature=0).tolist()
+    result["sample"] = prompt.tolist() + generate(trainer.model, state.params, [prompt], 16)[0]
 elif mode == "save5":
     state, result["losses"] = run(trainer.init(0), range(5))
     ckpt = Checkpointer(sys.argv[3])

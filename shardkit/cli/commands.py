@@ -144,6 +144,8 @@ EXAMPLES = {
     "export": "example: shardkit export --model tiny --checkpoint-dir runs/tiny/checkpoints --out tiny-hf",
     "tokenizer": "example: shardkit tokenizer train --vocab 1024 --out tokenizer.json",
     "eval": "example: shardkit eval --model tiny --checkpoint runs/tiny/checkpoints --eval-batches 8",
+    "generate": "example: shardkit generate --init-from llama-tiny/ --prompt 'Once upon a time' --max-new-tokens 64 "
+    "--temperature 0.7 --top-p 0.9",
 }
 
 
@@ -216,6 +218,25 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    gen = _subcommand(sub, "generate", "continue text with a checkpoint or a saved run (KV cache, batched)")
+    add_flags(gen, TrainConfig, only=(*SAVED_RUN, "devices", "seed"))
+    gen.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest that verifies)")
+    gen.add_argument("--prompt", default=None, help="one prompt; its continuation is printed as it is produced")
+    gen.add_argument("--prompts", default=None, metavar="FILE.jsonl", help='prompts, one {"prompt": "..."} a line')
+    gen.add_argument("--max-new-tokens", type=int, required=True, help="new tokens per prompt (>= 1)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else the softmax temperature")
+    gen.add_argument("--top-k", type=int, default=None, help="draw from the k likeliest tokens only")
+    gen.add_argument("--top-p", type=float, default=None, help="draw from the likeliest tokens of probability p")
+    gen.add_argument(
+        "--layout",
+        dest="gen_layout",
+        default=None,
+        help="generation's layout, e.g. data=2,tensor=2 (default: one device)",
+    )
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the checkpoint's eos_token_id")
+
+
 def _tokenizer_parser(sub: argparse._SubParsersAction) -> None:
     tok = _subcommand(sub, "tokenizer", "train a byte-level BPE tokenizer (tokenizer.json) on text")
     actions = tok.add_subparsers(dest="action", required=True)
@@ -275,6 +296,7 @@ def build_parser(file_defaults: Mapping[str, Any] | None = None) -> argparse.Arg
     _launch_parser(sub)
     _export_parser(sub)
     _eval_parser(sub)
+    _generate_parser(sub)
     _tokenizer_parser(sub)
     return parser
 
@@ -365,6 +387,15 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    args.layout = args.gen_layout or "data=1"  # one device unless a layout asks for more
+    _join_or_simulate(args)
+    from shardkit.cli.generation import run
+
+    run(args, config_from(TrainConfig, args))
+    return 0
+
+
 def _tokenizer(args: argparse.Namespace) -> int:
     from shardkit.io.data import builtin_corpus, load_text
     from shardkit.io.tokenizer import train_bpe
@@ -414,6 +445,7 @@ SUBCOMMANDS = {
     "train": _train,
     "export": _export,
     "eval": _eval,
+    "generate": _generate,
     "tokenizer": _tokenizer,
     "plan": _plan,
     "dryrun": _dryrun_or_inspect,

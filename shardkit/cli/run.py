@@ -29,6 +29,7 @@ from shardkit.core.errors import InputError, ModelError
 from shardkit.io.data import TextDataset
 from shardkit.io.tensorboard import Scalars
 from shardkit.models.generate import generate
+from shardkit.models.model import Model
 from shardkit.plan import auto_layout
 from shardkit.runtime.distributed import is_primary
 from shardkit.runtime.stopping import StopRequests
@@ -290,6 +291,16 @@ def _summary(cfg: TrainConfig, trainer: Trainer, loop: _Loop, out: TextIO) -> fl
     return mean_tps
 
 
+SAMPLE_TEMPERATURE = 0.8  # the sample after training: drawn, not greedy (a small model repeats itself)
+
+
+def sample_length(model: Model, prompt_tokens: int, wanted: int) -> int:
+    """``--sample-tokens``, less what would run past the model's positions (a prompt of 4 tokens
+    on the ``tiny`` preset, max_seq 128, samples 124 of 200)."""
+    limit = model.decoder.max_seq if model.decoder is not None else model.info.get("max_seq")
+    return wanted if limit is None else max(1, min(wanted, limit - prompt_tokens))
+
+
 def train(cfg: TrainConfig, *, out: TextIO | None = None, progress: bool = True) -> dict[str, Any]:
     """Train the reference GPT on the built-in corpus (or ``cfg.data``) and sample from it.
 
@@ -342,8 +353,15 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, progress: bool = True)
         if bar is not None:
             bar.note(f"sampling {cfg.sample_tokens} tokens")
         prompt = dataset.encode(cfg.prompt) if cfg.prompt else dataset.tokens[:1].astype(np.int32)
-        sampled = generate(trainer.model, loop.state.params, prompt, cfg.sample_tokens, cfg.seq, seed=cfg.seed)
-        sample = dataset.decode(sampled)
+        sampled = generate(
+            trainer.model,
+            loop.state.params,
+            [prompt],
+            sample_length(trainer.model, len(prompt), cfg.sample_tokens),
+            temperature=SAMPLE_TEMPERATURE,
+            seed=cfg.seed,
+        )[0]
+        sample = dataset.decode(np.concatenate([prompt, np.asarray(sampled, np.int32)]))
         print("sample:\n" + sample, file=out)
     return {
         "losses": loop.losses,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,6 +29,7 @@ from shardkit.core.errors import ModelError, short_repr
 from shardkit.core.partition import constrain, constrain_to, current_rules, free_mesh_shape, logical, without_axes
 from shardkit.core.rules import resolve
 from shardkit.models.dropout import dropout
+from shardkit.models.kv_cache import KV_NAMES, Decoder, pick_rows, write_rows
 from shardkit.models.model import Model
 from shardkit.models.nnx_adapter import from_nnx
 from shardkit.models.rope import RopeScaling, angles, inverse_frequencies
@@ -229,13 +231,40 @@ class GPTConfig:
             "max_seq": self.max_seq,
             "unrolled_layers": self.unrolled_layers,
         }
-        return from_nnx(
+        model = from_nnx(
             lambda rngs: GPT(self, rngs=rngs),
             name=name or "GPT",
             info=info,
             stacked_layers="blocks" if self.scan_layers else None,
             boundaries=False,  # GPT constrains its own activations and names its own scopes
         )
+        return dataclasses.replace(model, decoder=self.decoder())
+
+    def decoder(self) -> Decoder:
+        """How this GPT continues token rows with a KV cache (:mod:`shardkit.models.kv_cache`):
+        keys and values ``(L, B, C, N, K)`` per layer, rows over the batch axes, kv heads over
+        ``tensor``. A mixture of experts routes every token to its top-k experts with no capacity
+        (as inference does; a training capacity would drop tokens by what else is in the batch).
+
+        Example:
+          >>> dec = GPTConfig.preset("tiny").decoder()
+          >>> [x.shape for x in dec.empty(3, 16)]  # (L, B, C, N, K)
+          [(2, 3, 16, 4, 8), (2, 3, 16, 4, 8)]
+        """
+        cfg = dataclasses.replace(self, moe_dropless=True, dropout=0.0) if self.n_experts else self
+        n, k = self.n_kv_heads, self.head_dim
+
+        def empty(batch: int, length: int) -> tuple[jax.Array, jax.Array]:
+            shape, dtype = (cfg.n_layers, batch, length, n, k), jnp.dtype(cfg.dtype or cfg.param_dtype)
+            return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+        def forward(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array, last: jax.Array) -> Any:
+            module = nnx.merge(_graphdef(cfg), params)
+            hidden, cache = module.decode(tokens, positions, cache)  # (B, S, D)
+            logits = module.head(pick_rows(hidden, last))  # (B, 1, V)
+            return logits[:, 0].astype(jnp.float32), cache
+
+        return Decoder(empty, (KV_NAMES, KV_NAMES), forward, self.max_seq, self.n_kv_heads)
 
     @property
     def unrolled_layers(self) -> bool:
@@ -376,11 +405,18 @@ class RMSNorm(nnx.Module):
         return (normed * (self.offset + scale if self.offset else scale)).astype(x.dtype)
 
 
-def rotary(x: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
-    """Rotary position embedding of ``x`` (B, T, heads, K) by position along T, in the rotate-half
-    layout (the two halves of each head rotate together)."""
-    cos, sin = angles(x.shape[1], inverse_frequencies(x.shape[-1], theta, scaling))  # (1, T, 1, K/2) each
-    return _rotate(x, cos, sin)
+def rotary(
+    x: jax.Array, theta: float, scaling: RopeScaling | None = None, positions: jax.Array | None = None
+) -> jax.Array:
+    """Rotary position embedding of ``x`` (B, T, heads, K) in the rotate-half layout (the two
+    halves of each head rotate together), by position along T, or by ``positions`` (B, T) when
+    given (rows of a batched KV-cache decode, each at its own offset)."""
+    inv_freq = inverse_frequencies(x.shape[-1], theta, scaling)
+    if positions is None:
+        cos, sin = angles(x.shape[1], inv_freq)  # (1, T, 1, K/2) each
+        return _rotate(x, cos, sin)
+    a = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, K/2)
+    return _rotate(x, jnp.cos(a)[:, :, None, :], jnp.sin(a)[:, :, None, :])
 
 
 def _rotate(x: jax.Array, cos: Any, sin: Any) -> jax.Array:
@@ -391,14 +427,24 @@ def _rotate(x: jax.Array, cos: Any, sin: Any) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
-def layer_rotary(x: jax.Array, cfg: GPTConfig, sliding: bool | jax.Array) -> jax.Array:
+def layer_rotary(
+    x: jax.Array, cfg: GPTConfig, sliding: bool | jax.Array, positions: jax.Array | None = None
+) -> jax.Array:
     """:func:`rotary` with the base of this layer's kind: a sliding-window layer of a model with
     ``rope_local_theta`` (Gemma 3) uses that base, unscaled; ``sliding`` may be traced (a scanned
-    stack of mixed layers), then both tables are constants and the layer's flag picks one."""
+    stack of mixed layers), then both rotations are computed and the layer's flag picks one."""
     if cfg.rope_local_theta is None:
-        return rotary(x, cfg.rope_theta, cfg.rope_scaling)
+        return rotary(x, cfg.rope_theta, cfg.rope_scaling, positions)
     if isinstance(sliding, bool):
-        return rotary(x, cfg.rope_local_theta) if sliding else rotary(x, cfg.rope_theta, cfg.rope_scaling)
+        if sliding:
+            return rotary(x, cfg.rope_local_theta, None, positions)
+        return rotary(x, cfg.rope_theta, cfg.rope_scaling, positions)
+    if positions is not None:
+        local, full = (
+            rotary(x, cfg.rope_local_theta, None, positions),
+            rotary(x, cfg.rope_theta, cfg.rope_scaling, positions),
+        )
+        return jnp.where(sliding, local, full)
     t, k = x.shape[1], x.shape[-1]
     cos_g, sin_g = angles(t, inverse_frequencies(k, cfg.rope_theta, cfg.rope_scaling))
     cos_l, sin_l = angles(t, inverse_frequencies(k, cfg.rope_local_theta))
@@ -406,7 +452,12 @@ def layer_rotary(x: jax.Array, cfg: GPTConfig, sliding: bool | jax.Array) -> jax
 
 
 def explicit_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, cfg: GPTConfig, sliding: bool | jax.Array
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cfg: GPTConfig,
+    sliding: bool | jax.Array,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
     """Causal grouped-KV attention written out, for what ``jax.nn.dot_product_attention`` lacks:
     a query scale of the config's, soft-capped scores, and a sliding window whose use may be a
@@ -414,27 +465,32 @@ def explicit_attention(
 
     Args:
       q: ``(B, T, H, K)``; query head ``h`` reads kv head ``h // (H / N)``.
-      k, v: ``(B, T, N, K)``.
+      k, v: ``(B, S, N, K)``; ``S = T`` unless ``positions`` is given.
       cfg: the scale, soft cap and window.
       sliding: whether this layer's window applies (a bool, or a traced scalar).
+      positions: ``(B, T)`` int, each query's position, for keys that are the slots ``0..S-1``
+        of a KV cache (:mod:`shardkit.models.kv_cache`): a query sees the slots at or before its
+        position. None: query ``i`` is key ``i`` (causal over the T tokens).
 
     Returns:
       ``(B, T, H, K)``; softmax in float32, as Hugging Face's eager attention computes it.
     """
     b, t, h, d = q.shape
-    n = k.shape[2]
+    n, s = k.shape[2], k.shape[1]
     scale = cfg.query_scale if cfg.query_scale is not None else d**-0.5
     qg = q.reshape(b, t, n, h // n, d)  # (B, T, N, G, K)
-    scores = jnp.einsum("btngk,bsnk->bngts", qg, k).astype(jnp.float32) * scale  # (B, N, G, T, T)
+    scores = jnp.einsum("btngk,bsnk->bngts", qg, k).astype(jnp.float32) * scale  # (B, N, G, T, S)
     if cfg.attn_softcap is not None:
         scores = cfg.attn_softcap * jnp.tanh(scores / cfg.attn_softcap)
-    pos = np.arange(t)
-    allowed: Any = pos[None, :] <= pos[:, None]  # (T, T) causal, query rows
-    if cfg.sliding_window is not None and cfg.sliding_window < t and sliding is not False:
-        in_window = allowed & (pos[None, :] > pos[:, None] - cfg.sliding_window)
+    key_pos = np.arange(s)
+    # Query positions as rows: (T, 1) constants, or (B, 1, 1, T, 1) for a batch of cached rows.
+    query_pos: Any = np.arange(t)[:, None] if positions is None else positions[:, None, None, :, None]
+    allowed: Any = key_pos <= query_pos  # (T, S) or (B, 1, 1, T, S): causal
+    if cfg.sliding_window is not None and cfg.sliding_window < s and sliding is not False:
+        in_window = allowed & (key_pos > query_pos - cfg.sliding_window)
         allowed = in_window if sliding is True else jnp.where(sliding, in_window, allowed)
     scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # (B, N, G, T, T)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # (B, N, G, T, S)
     return jnp.einsum("bngts,bsnk->btngk", weights, v).reshape(b, t, h, d)
 
 
@@ -472,7 +528,9 @@ class Attention(nnx.Module):
         window = cfg.sliding_window is not None and cfg.sliding_window < t and any(cfg.sliding_layers)
         return window or cfg.attn_softcap is not None or cfg.query_scale is not None
 
-    def __call__(self, x: jax.Array, sliding: bool | jax.Array = False) -> jax.Array:
+    def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(B, T, D)`` -> queries ``(B, T, H, K)``, keys and values ``(B, T, N, K)``, with the
+        q/k norms applied and before the rotary embedding."""
         b, t, _ = x.shape
         g = self.groups
         with jax.named_scope("qkv_proj"):
@@ -487,6 +545,45 @@ class Attention(nnx.Module):
         k, v = qkv[:, :, :, g, :], qkv[:, :, :, g + 1, :]  # (B, T, N, K) each
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def output(self, out: jax.Array) -> jax.Array:
+        """The attention's ``(B, T, H, K)`` result projected back to ``(B, T, D)``."""
+        out = constrain(out, ("batch", "seq", "heads", "kv"))
+        with jax.named_scope("out_proj"):
+            w = self.wo[...].astype(out.dtype)
+            if unsplit("seq", "heads", "kv"):
+                return token_matmul(out, w, 2)  # (B, T, D)
+            return jnp.einsum("bthk,hkd->btd", out, w)
+
+    def decode(
+        self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array], sliding: bool | jax.Array
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Attention of new tokens against a KV cache (:mod:`shardkit.models.kv_cache`).
+
+        Args:
+          x: ``(B, S, D)``, the new tokens' normed activations.
+          positions: ``(B, S)`` int32, their positions (consecutive within a row).
+          cache: keys and values ``(B, C, N, K)`` each; slot ``j`` of a row is its position ``j``.
+          sliding: whether this layer keeps to the sliding window.
+
+        Returns:
+          ``((B, S, D), (keys, values))`` with the new tokens' slots written.
+        """
+        q, k, v = self.project(x)
+        q = layer_rotary(q, self.cfg, sliding, positions)  # (B, S, H, K)
+        k = layer_rotary(k, self.cfg, sliding, positions)  # (B, S, N, K)
+        keys, values = (
+            constrain(write_rows(c, new, positions[:, 0]), ("batch", None, "kv_heads", None))
+            for c, new in zip(cache, (k, v))
+        )  # (B, C, N, K) each
+        with jax.named_scope("attention"):
+            out = explicit_attention(q, keys, values, self.cfg, sliding, positions)  # (B, S, H, K)
+        return self.output(out), (keys, values)
+
+    def __call__(self, x: jax.Array, sliding: bool | jax.Array = False) -> jax.Array:
+        t = x.shape[1]
+        q, k, v = self.project(x)
         q = constrain(layer_rotary(q, self.cfg, sliding), ("batch", "seq", "heads", "kv"))
         k = constrain(layer_rotary(k, self.cfg, sliding), ("batch", "seq", "kv_heads", "kv"))
         with jax.named_scope("attention"):
@@ -510,11 +607,7 @@ class Attention(nnx.Module):
                     is_causal=True,
                     implementation=self.cfg.attention,  # type: ignore[arg-type]  # checked in GPTConfig
                 )  # (B, T, H, K)
-        out = constrain(out, ("batch", "seq", "heads", "kv"))
-        with jax.named_scope("out_proj"):
-            if unsplit("seq", "heads", "kv"):
-                return token_matmul(out, self.wo[...].astype(x.dtype), 2)  # (B, T, D)
-            return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(x.dtype))
+        return self.output(out)
 
 
 class SwiGLU(nnx.Module):
@@ -576,9 +669,31 @@ class Block(nnx.Module):
 
         ``sliding``: whether this layer's attention keeps to the sliding window (may be traced).
         """
+        return self.residuals(x, key, lambda h: self.attn(h, sliding))
+
+    def decode(
+        self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array], sliding: bool | jax.Array
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """The layer over new tokens with a KV cache: ``(B, S, D) -> ((B, S, D), (keys, values))``
+        (see :meth:`Attention.decode`); no dropout."""
+        written = []
+
+        def attend(h: jax.Array) -> jax.Array:
+            out, kv = self.attn.decode(h, positions, cache, sliding)
+            written.append(kv)
+            return out
+
+        x, _ = self.residuals(x, None, attend)
+        return x, written[0]
+
+    def residuals(
+        self, x: jax.Array, key: jax.Array | None, attend: Callable[[jax.Array], jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        """The layer around an attention ``attend`` of the normed input (the plain one, or a
+        KV-cached one, :mod:`shardkit.models.kv_cache`): both residual branches and their norms."""
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         with jax.named_scope("attn"):
-            out = self.attn(self.attn_norm(x), sliding)
+            out = attend(self.attn_norm(x))
             if self.post_norms:
                 out = self.post_attn_norm(out)
             x = x + dropout(out, self.dropout, k1)  # (B, T, D)
@@ -722,8 +837,52 @@ class GPT(nnx.Module):
                 logits = self.cfg.final_softcap * jnp.tanh(logits / self.cfg.final_softcap)
         return constrain(logits, ("batch", "seq", "vocab"))
 
+    def decode(
+        self, tokens: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """New tokens through every layer with a KV cache (:mod:`shardkit.models.kv_cache`).
+
+        Args:
+          tokens: ``(B, S)`` int, the new tokens of each row.
+          positions: ``(B, S)`` int32, their positions.
+          cache: keys and values ``(L, B, C, N, K)`` each.
+
+        Returns:
+          ``((B, S, D)`` hidden states before the final norm, the cache with the new slots written).
+        """
+        cfg = self.cfg
+        x = self.embed_inputs(tokens)  # (B, S, D)
+        kinds = cfg.sliding_layers
+        mixed = len(set(kinds)) > 1
+        if cfg.scan_layers:
+
+            @nnx.scan(
+                in_axes=(nnx.Carry, 0, 0, 0, 0 if mixed else None),
+                out_axes=(nnx.Carry, 0, 0),
+                transform_metadata={nnx.PARTITION_NAME: "layers"},
+            )
+            def run(x: jax.Array, block: Block, k: jax.Array, v: jax.Array, flag: jax.Array | None):
+                x, (k, v) = block.decode(x, positions, (k, v), kinds[0] if flag is None else flag)
+                return x, k, v
+
+            x, keys, values = run(x, self.blocks, *cache, jnp.asarray(kinds) if mixed else None)
+            return x, (keys, values)
+        written = []
+        for i, block in enumerate(self.blocks):  # type: ignore[arg-type]  # an nnx.List when unrolled
+            x, kv = block.decode(x, positions, (cache[0][i], cache[1][i]), kinds[i])
+            written.append(kv)
+        return x, (jnp.stack([k for k, _ in written]), jnp.stack([v for _, v in written]))
+
     def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
         key = None if rngs is None else rngs.dropout()
         x, aux = self.run_layers(self.embed_inputs(tokens, key), key)
         logits = self.head(x)
         return (logits, aux) if self.cfg.n_experts else logits
+
+
+@functools.cache
+def _graphdef(cfg: GPTConfig) -> Any:
+    """The graph of a GPT of this config (built abstractly once), for ``nnx.merge`` with parameters."""
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract, nnx.Param, ...)[0]  # type: ignore[misc]

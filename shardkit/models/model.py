@@ -23,6 +23,7 @@ import jax
 
 from shardkit.core.errors import ModelError, short_repr
 from shardkit.core.partition import Axes, RegexRule, path_str, regex_axes
+from shardkit.models.kv_cache import Decoder
 
 Params = Any
 
@@ -52,6 +53,9 @@ class Model:
         do (``BatchNorm(axis_name="batch")``); :func:`with_axis_names` binds each to an axis of
         size 1 around ``init`` and ``apply``, since under ``jit`` every array is already the
         global one (a batch mean is the whole batch's).
+      decoder: how the model continues text with a cache
+        (:class:`shardkit.models.kv_cache.Decoder`; shardkit's GPT keeps keys and values); None:
+        generation runs ``apply`` over whole rows.
     """
 
     init: Callable[[jax.Array], Params]
@@ -64,6 +68,7 @@ class Model:
     state_init: Callable[[jax.Array], Any] | None = None
     state_apply: Callable[[Params, Any, Any, jax.Array | None], tuple[Any, Any]] | None = None
     axis_names: tuple[str, ...] = ()
+    decoder: Decoder | None = None
 
     def abstract_params(self, seed: int = 0) -> Params:
         """Shapes and dtypes of the parameters (``ShapeDtypeStruct`` tree); allocates nothing."""

@@ -1,0 +1,111 @@
+"""What a model needs to continue token rows: a cache, and one forward pass over new tokens.
+
+A :class:`Decoder` is the contract between a model and :mod:`shardkit.models.generate`. Rows of a
+batch are right-padded prompts; each row's tokens sit at their own positions ``0, 1, ...``, so a
+row's cache slot ``j`` holds the keys and values of its token at position ``j``. A forward over
+``S`` new tokens at positions ``p .. p + S - 1`` of a row writes their slots and reads the slots
+at or before each token: slots after it (the padding of a shorter prompt, or nothing yet) are
+never read, and a decode step overwrites them before any later token can see them.
+
+Two decoders exist: shardkit's GPT keeps keys and values (:meth:`shardkit.models.GPTConfig.decoder`,
+one token's work per step), and any other model keeps its token rows and runs whole
+(:func:`recompute_decoder`, the work of the whole row per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Params = Any
+
+# Logical names of one cache array (L, B, C, N, K): rows over the batch axes, kv heads over tensor.
+KV_NAMES = (None, "batch", None, "kv_heads", None)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a static jit argument
+class Decoder:
+    """How a model continues rows of tokens.
+
+    Attributes:
+      empty: ``(batch, length) -> cache``, a pytree of zeros for ``batch`` rows of ``length``
+        positions (traced inside the compiled prefill).
+      names: logical axis names of each cache leaf (a tree matching ``empty``'s), so a generation
+        layout splits the cache as it splits activations.
+      forward: ``(params, cache, tokens (B, S), positions (B, S), last (B,)) -> (logits (B, V),
+        cache)``: reads the new tokens, writes their slots, and returns the next-token logits
+        after token ``last[b]`` of each row (float32).
+      max_seq: the most positions a row may have (None: no limit known).
+      kv_heads: the cache's kv heads, which a generation layout's ``tensor`` axis must divide
+        (None: nothing split by heads).
+      kind: ``"kv"`` (keys and values) or ``"tokens"`` (whole rows recomputed).
+    """
+
+    empty: Callable[[int, int], Any]
+    names: Any
+    forward: Callable[[Params, Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+    max_seq: int | None
+    kv_heads: int | None
+    kind: str = "kv"
+
+
+def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """``cache (B, C, ...)`` with ``new (B, S, ...)`` written at slots ``start[b] .. start[b] + S - 1``
+    of each row ``b``.
+
+    Example:
+      >>> write_rows(jnp.zeros((2, 4), jnp.int32), jnp.ones((2, 2), jnp.int32), jnp.array([0, 2])).tolist()
+      [[1, 1, 0, 0], [0, 0, 1, 1]]
+    """
+    return jax.vmap(lambda row, value, at: jax.lax.dynamic_update_slice_in_dim(row, value, at, axis=0))(
+        cache, new.astype(cache.dtype), start
+    )
+
+
+def pick_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """``x (B, S, ...)`` -> ``(B, 1, ...)``: element ``index[b]`` of each row.
+
+    Example:
+      >>> pick_rows(jnp.arange(6).reshape(2, 3), jnp.array([2, 0])).tolist()
+      [[2], [3]]
+    """
+    return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)
+
+
+def logits_of(outputs: Any) -> jax.Array:
+    """The logits of a language model's outputs: the outputs themselves, or the first of a
+    ``(logits, auxiliary loss)`` pair (a mixture of experts)."""
+    return outputs[0] if isinstance(outputs, tuple) else outputs
+
+
+def recompute_decoder(apply: Callable[[Params, jax.Array], Any], max_seq: int | None) -> Decoder:
+    """A :class:`Decoder` for any model ``apply(params, tokens (B, T)) -> logits (B, T, V)`` (or
+    ``(logits, aux)``): the cache is the token rows themselves, and each forward runs the model
+    over every row whole (causal attention keeps the slots after a token from changing its
+    logits). Its cost grows with the row's length; shardkit's GPT keeps keys and values instead.
+
+    Example:
+      >>> import shardkit as sk
+      >>> model = sk.models.GPTConfig.preset("tiny").model()
+      >>> dec = recompute_decoder(lambda p, x: model.apply(p, x, None), max_seq=128)
+      >>> dec.kind
+      'tokens'
+    """
+
+    def forward(params: Params, rows: jax.Array, tokens: jax.Array, positions: jax.Array, last: jax.Array):
+        rows = write_rows(rows, tokens, positions[:, 0])  # (B, C)
+        logits = logits_of(apply(params, rows))  # (B, C, V)
+        return pick_rows(logits, jnp.take_along_axis(positions, last[:, None], 1)[:, 0])[:, 0].astype(jnp.float32), rows
+
+    return Decoder(
+        empty=lambda batch, length: jnp.zeros((batch, length), jnp.int32),
+        names=("batch", None),
+        forward=forward,
+        max_seq=max_seq,
+        kv_heads=None,
+        kind="tokens",
+    )
