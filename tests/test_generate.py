@@ -1,4 +1,10 @@
-"""Sampling: one compiled loop whose tokens equal a token-by-token loop in Python over the model."""
+"""Generation: a KV cache whose tokens equal one whole forward per token, batched prompts of any
+lengths, sampling keyed by the prompt and not the layout, transformers' greedy continuations on
+every family (``tests/fixtures/hf_reference/generate.json``, written by transformers 5.25), the
+cache split by the generation layout, and every bad request refused before a compile."""
+
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -8,98 +14,210 @@ import pytest
 
 import shardkit as sk
 from shardkit.analysis import hlo
-from shardkit.models.generate import _continue, _sampling_placement, generate
+from shardkit.models.generate import Generator, Placement, Sampling, choose
+from shardkit.models.kv_cache import recompute_decoder
 
-WINDOW = 8
+REFERENCE = pathlib.Path(__file__).parent / "fixtures" / "hf_reference"
+FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "gemma2", "gemma3"]
+PROMPTS = [[5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 8, 7]]  # lengths across a bucket's edge
+
+
+def one_forward_per_token(model, params, prompt, n):
+    """The definition: the whole sequence through ``apply`` for each new token, greedy."""
+    apply = jax.jit(lambda p, x: model.apply(p, x, None))
+    tokens = list(prompt)
+    for _ in range(n):
+        out = apply(params, jnp.asarray([tokens]))
+        logits = out[0] if isinstance(out, tuple) else out  # a mixture of experts returns (logits, aux)
+        tokens.append(int(jnp.argmax(logits[0, -1])))
+    return tokens[len(prompt) :]
+
+
+CONFIGS = {
+    "tiny": dict(),
+    "unrolled": dict(scan_layers=False),
+    # Gemma 2/3's pieces: a window shorter than the rows, alternating layers, two rotary bases, caps.
+    "windowed": dict(
+        sliding_window=6,
+        layer_types=("sliding", "full"),
+        rope_local_theta=100.0,
+        attn_softcap=20.0,
+        final_softcap=10.0,
+        qk_norm=True,
+        post_norms=True,
+        norm_offset=1.0,
+    ),
+    "experts": dict(n_experts=4, top_k=2),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_cache_gives_the_tokens_of_one_forward_per_token(name):
+    cfg = sk.models.GPTConfig.preset("tiny", **CONFIGS[name])
+    model = cfg.model()
+    params = model.init(jax.random.key(1))
+    got = sk.generate(model, params, PROMPTS, 14)
+    # A mixture of experts generates as it would route with no capacity (dropless), as inference does.
+    reference_model = sk.models.GPTConfig.preset("tiny", **CONFIGS[name], moe_dropless=True).model()
+    assert got == [one_forward_per_token(reference_model, params, p, 14) for p in PROMPTS]
+
+
+def test_a_model_without_a_cache_runs_whole_rows_and_takes_an_experts_logits():
+    """The README's way of wrapping the GPT (no ``decoder``): rows recomputed; a mixture of
+    experts returns ``(logits, aux)`` and the logits are what is sampled from."""
+    cfg = sk.models.GPTConfig.preset("tiny-moe", moe_dropless=True)
+    model = sk.from_nnx(lambda rngs: sk.models.GPT(cfg, rngs=rngs))
+    assert model.decoder is None
+    params = model.init(jax.random.key(2))
+    assert Generator(model, params).decoder.kind == "tokens"
+    assert sk.generate(model, params, PROMPTS[:2], 6) == [
+        one_forward_per_token(model, params, p, 6) for p in PROMPTS[:2]
+    ]
+
+
+@pytest.mark.parametrize("factory", ["gemma_lm", "linen_lm"])
+def test_models_written_without_shardkit_generate_as_the_reference_does(factory):
+    import byo_factories
+
+    model = getattr(byo_factories, factory)()
+    params = sk.Trainer(model, optax.sgd(0.1), "fsdp=8").init(0).params
+    one_device = jax.device_put(params, jax.devices()[0])
+    assert sk.generate(model, params, [[3, 1], [4]], 6) == [
+        one_forward_per_token(model, one_device, p, 6) for p in ([3, 1], [4])
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference_generations():
+    return json.loads((REFERENCE / "generate.json").read_text())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_transformers_generate_batched_and_sharded(family, reference_generations):
+    """transformers ran each prompt alone; here both run as one batch, on one device and under
+    data=2,tensor=2 (rows over data, kv heads over tensor)."""
+    run = sk.from_pretrained(REFERENCE / family, layout="data=1", devices=jax.devices()[:1])
+    want = reference_generations[family]
+    prompts = reference_generations["prompts"]
+    assert run.generate(prompts, reference_generations["new_tokens"]) == want
+    assert run.generate(prompts, 32, layout="data=2,tensor=2") == want
 
 
 @pytest.fixture(scope="module")
 def tiny():
     model = sk.models.GPTConfig.preset("tiny").model()
-    return model, jax.device_put(model.init(jax.random.key(0)), jax.devices()[0])
+    return model, model.init(jax.random.key(0))
 
 
-def reference(model, params, prompt, num_tokens, window, temperature, seed):
-    """The definition, one forward per token: the last ``window`` tokens, left-aligned, zero-padded."""
-    apply = jax.jit(lambda p, x: model.apply(p, x, None))
-    tokens, key = list(prompt), jax.random.key(seed)
-    for _ in range(num_tokens):
-        context = tokens[-window:]
-        padded = np.zeros((1, window), np.int32)
-        padded[0, : len(context)] = context
-        logits = apply(params, jnp.asarray(padded))[0, len(context) - 1]
-        if temperature == 0:
-            tokens.append(int(jnp.argmax(logits)))
-        else:
-            key, sub = jax.random.split(key)
-            tokens.append(int(jax.random.categorical(sub, logits.astype(jnp.float32) / temperature)))
-    return tokens
-
-
-@pytest.mark.parametrize("prompt", [[5], [1, 2, 3], list(range(1, 12))], ids=["one", "three", "past-window"])
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_the_loop_equals_one_forward_per_token(tiny, prompt, temperature):
+def test_sampling_draws_the_same_tokens_on_any_layout_and_the_seed_matters(tiny):
     model, params = tiny
-    # 12 new tokens cross the window: the context slides after WINDOW tokens exist.
-    got = generate(model, params, np.array(prompt), 12, WINDOW, temperature=temperature, seed=3)
-    want = reference(model, params, prompt, 12, WINDOW, temperature, seed=3)
-    assert got.tolist() == want
-    assert got.dtype == np.int32
+    options = dict(temperature=0.9, top_k=50, top_p=0.95, seed=7)
+    one = sk.generate(model, params, PROMPTS, 12, **options)
+    assert sk.generate(model, params, PROMPTS, 12, layout="data=2,tensor=2", **options) == one
+    assert sk.generate(model, params, PROMPTS, 12, layout="fsdp=4", **options) == one
+    assert sk.generate(model, params, PROMPTS, 12, **{**options, "seed": 8}) != one
+    # The narrowest top-k and top-p leave only the likeliest token: greedy.
+    greedy = sk.generate(model, params, PROMPTS, 12)
+    assert sk.generate(model, params, PROMPTS, 12, temperature=1.0, top_k=1, seed=3) == greedy
+    assert sk.generate(model, params, PROMPTS, 12, temperature=1.0, top_p=1e-6, seed=3) == greedy
 
 
-def test_a_sharded_model_samples_what_one_device_samples(tiny):
+def test_top_k_and_top_p_keep_only_the_likeliest_tokens():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 2000))
+    keys = jax.random.split(jax.random.key(0), 2000)
+    assert set(np.asarray(choose(logits, keys, Sampling(temperature=1.0, top_k=2))).tolist()) == {0, 1}
+    # top_p 0.7: 0.5 alone falls short, 0.5 + 0.3 reaches it: tokens 0 and 1.
+    drawn = np.asarray(choose(logits, keys, Sampling(temperature=1.0, top_p=0.7)))
+    assert set(drawn.tolist()) == {0, 1}
+    assert abs((drawn == 0).mean() - 0.5 / 0.8) < 0.05  # renormalised over what is kept
+
+
+def test_a_row_stops_after_its_eos_token_and_keeps_it(tiny):
     model, params = tiny
-    trainer = sk.Trainer(model, optax.sgd(0.1), "data=2,fsdp=2,tensor=2")
-    sharded = jax.device_put(params, trainer.state_shardings.params)
-    assert len(jax.tree.leaves(sharded)[0].sharding.device_set) == 8
-    got = generate(model, sharded, np.array([1, 2]), 10, WINDOW, temperature=0.8, seed=1)
-    assert got.tolist() == generate(model, params, np.array([1, 2]), 10, WINDOW, temperature=0.8, seed=1).tolist()
+    free = sk.generate(model, params, PROMPTS, 10)
+    eos = free[1][3]
+    stopped = sk.generate(model, params, PROMPTS, 10, eos_ids=[eos])
+    for row, full in zip(stopped, free, strict=True):
+        cut = full.index(eos) + 1 if eos in full else len(full)
+        assert row == full[:cut]
 
 
-def test_simulated_devices_sample_from_one_device_without_collectives(tiny):
+def test_the_cache_is_split_by_the_generation_layout_and_its_bytes_reported(tiny):
     model, params = tiny
-    trainer = sk.Trainer(model, optax.sgd(0.1), "fsdp=4,tensor=2")
-    sharded = jax.device_put(params, trainer.state_shardings.params)
-    placed = _sampling_placement(sharded)
-    assert {len(x.sharding.device_set) for x in jax.tree.leaves(placed)} == {1}
-    args = (jnp.zeros(16, jnp.int32), jnp.int32(1), jax.random.key(0), jnp.float32(1.0))
-    options = dict(num_tokens=4, window=WINDOW, greedy=False)
-    text = _continue.lower(model, placed, *args, **options).compile().as_text()
-    assert sum(hlo.count(text).values()) == 0, "sampling from one device should need no collectives"
-    assert "while" in text, "the tokens should come from one loop in the program"
-    # Without the placement, the training layout's program gathers and reduces at every layer.
-    assert sum(hlo.count(_continue.lower(model, sharded, *args, **options).compile().as_text()).values()) > 0
+    gen = Generator(model, params, "data=2,tensor=2")
+    cfg = sk.models.GPTConfig.preset("tiny")
+    state = gen._prefill(
+        gen.decoder,
+        gen.placement,
+        Sampling(),
+        24,
+        4,
+        gen.params,
+        *(jax.device_put(x, gen.placement.rows()) for x in (np.ones((2, 8), np.int32), np.array([3, 8], np.int32))),
+        *(jax.device_put(x, gen.placement.rows()) for x in (np.arange(2, dtype=np.int32), np.ones(2, bool))),
+    )
+    keys = state["cache"][0]  # (L, B, N, C, K)
+    assert keys.shape == (cfg.n_layers, 2, cfg.n_kv_heads, 24, cfg.head_dim)
+    assert keys.sharding.shard_shape(keys.shape) == (cfg.n_layers, 1, cfg.n_kv_heads // 2, 24, cfg.head_dim)
+    whole = 2 * keys.size * keys.dtype.itemsize  # keys and values
+    assert gen.cache_bytes_per_device(2, 24) == whole // 4
+    assert Generator(model, params).cache_bytes_per_device(2, 24) == whole
 
 
-def test_zero_new_tokens_return_the_prompt(tiny):
+def test_a_decode_step_costs_one_tokens_work_and_one_device_needs_no_collectives(tiny):
+    """The compiled decode loop's FLOPs, against the recompute decoder's over the same cache length."""
     model, params = tiny
-    assert generate(model, params, np.array([4, 5]), 0, WINDOW).tolist() == [4, 5]
+    cached = Generator(model, params)
+    state = cached._prefill(
+        cached.decoder, cached.placement, Sampling(), 64, 8, cached.params, jnp.ones((1, 8), jnp.int32),
+        jnp.array([8], jnp.int32), jnp.zeros(1, jnp.int32), jnp.ones(1, bool),
+    )  # fmt: skip
+    lowered = cached._decode.lower(cached.decoder, cached.placement, Sampling(), cached.params, state, jnp.int32(8))
+    text = lowered.compile().as_text()
+    assert "while" in text and sum(hlo.count(text).values()) == 0
+    recompute = recompute_decoder(lambda p, x: model.apply(p, x, None), 128)
+
+    def flops(decoder, cache):
+        step = jax.jit(
+            lambda c: decoder.forward(
+                cached.params, c, jnp.ones((1, 1), jnp.int32), jnp.full((1, 1), 9), jnp.zeros(1, jnp.int32)
+            )
+        )
+        return step.lower(cache).compile().cost_analysis()["flops"]
+
+    ratio = flops(recompute, jnp.zeros((1, 64), jnp.int32)) / flops(cached.decoder, state["cache"])
+    assert ratio > 20, f"a cached step should do a small fraction of a whole row's work, ratio {ratio:.1f}"
 
 
-@pytest.mark.parametrize(
-    "prompt, num_tokens, window",
-    [([], 5, WINDOW), ([1], -1, WINDOW), ([1], 5, 0)],
-    ids=["empty-prompt", "negative-count", "no-window"],
-)
-def test_bad_sampling_requests_name_the_fix(tiny, prompt, num_tokens, window):
+BAD = [
+    (dict(prompts=[[1] * 120], max_new_tokens=20), "128 \\(max_seq\\)"),
+    (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens=0 must be a whole number >= 1"),
+    (dict(prompts=[[1]], max_new_tokens=4, temperature=-0.5), "temperature=-0.5 must be >= 0"),
+    (dict(prompts=[[1]], max_new_tokens=4, top_p=1.5), "top_p=1.5 must be in \\(0, 1\\]"),
+    (dict(prompts=[[1]], max_new_tokens=4, top_p=0.0), "top_p=0.0 must be in \\(0, 1\\]"),
+    (dict(prompts=[[1]], max_new_tokens=4, top_k=0), "top_k=0 must be a whole number >= 1"),
+    (dict(prompts=[[1, 2], []], max_new_tokens=4), "prompt 1 is empty"),
+    (dict(prompts=[], max_new_tokens=4), "non-empty list of token-id lists"),
+    (dict(prompts=[["a"]], max_new_tokens=4), "prompt 0 must be a list of token ids"),
+]
+
+
+@pytest.mark.parametrize("request_, message", BAD, ids=[m.split(" ")[0] for _, m in BAD])
+def test_bad_requests_are_refused_by_name(tiny, request_, message):
     model, params = tiny
-    with pytest.raises(sk.errors.InputError, match="at least 1 token"):
-        generate(model, params, np.array(prompt, np.int32), num_tokens, window)
+    with pytest.raises(sk.errors.InputError, match=message):
+        sk.generate(model, params, **request_)
 
 
-@pytest.mark.parametrize("factory", ["gemma_lm", "linen_lm"])
-def test_models_written_without_shardkit_sample_as_the_reference_does(factory):
-    """An NNX and a Linen LM with Flax's own metadata, trained layout fsdp=8: the loop's tokens are
-    the token-by-token reference's, and the program it compiles for them needs no collective."""
-    import byo_factories
+def test_a_layout_that_cannot_split_the_kv_heads_is_refused(tiny):
+    model, params = tiny  # 4 kv heads
+    with pytest.raises(sk.errors.LayoutError, match="4 kv heads over tensor=8"):
+        sk.generate(model, params, [[1]], 2, layout="tensor=8")
 
-    model = getattr(byo_factories, factory)()
-    trainer = sk.Trainer(model, optax.sgd(0.1), "fsdp=8")
-    sharded = trainer.init(0).params
-    assert max(len(x.sharding.device_set) for x in jax.tree.leaves(sharded)) == 8
-    one_device = jax.device_put(sharded, jax.devices()[0])
-    got = generate(model, sharded, np.array([3, 1]), 10, WINDOW, temperature=0.8, seed=2)
-    assert got.tolist() == reference(model, one_device, [3, 1], 10, WINDOW, 0.8, seed=2)
-    args = (jnp.zeros(16, jnp.int32), jnp.int32(2), jax.random.key(0), jnp.float32(1.0))
-    text = _continue.lower(model, _sampling_placement(sharded), *args, num_tokens=4, window=WINDOW, greedy=False)
-    assert sum(hlo.count(text.compile().as_text()).values()) == 0
+
+def test_placement_without_a_layout_is_one_device(tiny):
+    model, params = tiny
+    sharded = jax.device_put(params, sk.Trainer(model, optax.sgd(0.1), "fsdp=4,tensor=2").state_shardings.params)
+    gen = Generator(model, sharded)
+    assert {len(x.sharding.device_set) for x in jax.tree.leaves(gen.params)} == {1}
+    assert Placement.of(None).batch_multiple() == 1 and Placement.of("data=2,fsdp=2").batch_multiple() == 4

@@ -34,7 +34,6 @@ DEV_MODULES = {
     "test_invariance.py",
     "test_model_state.py",
     "test_gpt_compute_forms.py",
-    "test_generate.py",
     "test_step_parts.py",
     "test_plan_from_config.py",
     "test_tokenizer.py",
@@ -77,6 +76,13 @@ DEV_TESTS = {
         "test_model_without_stages_is_refused",
     },
     "test_accumulation.py": {"test_reducing_once_equals_one_device_dropout_included"},
+    "test_generate.py": {
+        "test_the_cache_gives_the_tokens_of_one_forward_per_token",
+        "test_sampling_draws_the_same_tokens_on_any_layout_and_the_seed_matters",
+        "test_the_cache_is_split_by_the_generation_layout_and_its_bytes_reported",
+        "test_bad_requests_are_refused_by_name",
+        "test_a_layout_that_cannot_split_the_kv_heads_is_refused",
+    },
     "test_zero.py": {"test_zero_stages_train_as_one_device_does"},
     "test_checkpoint.py": {
         "test_restore_onto_another_layout_continues_exactly",

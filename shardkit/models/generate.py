@@ -281,10 +281,10 @@ class Generator:
         out = []
         for i, prompt in enumerate(prompts):
             ids = np.asarray(prompt)
+            if ids.size == 0:
+                raise InputError(f"generate: prompt {i} is empty; a prompt needs at least 1 token (e.g. a BOS id).")
             if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
                 raise InputError(f"generate: prompt {i} must be a list of token ids, got {short_repr(prompt)}.")
-            if len(ids) == 0:
-                raise InputError(f"generate: prompt {i} is empty; a prompt needs at least 1 token (e.g. a BOS id).")
             limit = self.decoder.max_seq
             if limit is not None and len(ids) + max_new_tokens > limit:
                 raise InputError(

@@ -242,20 +242,20 @@ class GPTConfig:
 
     def decoder(self) -> Decoder:
         """How this GPT continues token rows with a KV cache (:mod:`shardkit.models.kv_cache`):
-        keys and values ``(L, B, C, N, K)`` per layer, rows over the batch axes, kv heads over
+        keys and values ``(L, B, N, C, K)`` per layer, rows over the batch axes, kv heads over
         ``tensor``. A mixture of experts routes every token to its top-k experts with no capacity
         (as inference does; a training capacity would drop tokens by what else is in the batch).
 
         Example:
           >>> dec = GPTConfig.preset("tiny").decoder()
-          >>> [x.shape for x in dec.empty(3, 16)]  # (L, B, C, N, K)
-          [(2, 3, 16, 4, 8), (2, 3, 16, 4, 8)]
+          >>> [x.shape for x in dec.empty(3, 16)]  # (L, B, N, C, K)
+          [(2, 3, 4, 16, 8), (2, 3, 4, 16, 8)]
         """
         cfg = dataclasses.replace(self, moe_dropless=True, dropout=0.0) if self.n_experts else self
         n, k = self.n_kv_heads, self.head_dim
 
         def empty(batch: int, length: int) -> tuple[jax.Array, jax.Array]:
-            shape, dtype = (cfg.n_layers, batch, length, n, k), jnp.dtype(cfg.dtype or cfg.param_dtype)
+            shape, dtype = (cfg.n_layers, batch, n, length, k), jnp.dtype(cfg.dtype or cfg.param_dtype)
             return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
         def forward(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array, last: jax.Array) -> Any:
@@ -457,41 +457,76 @@ def explicit_attention(
     v: jax.Array,
     cfg: GPTConfig,
     sliding: bool | jax.Array,
-    positions: jax.Array | None = None,
+    cached: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Causal grouped-KV attention written out, for what ``jax.nn.dot_product_attention`` lacks:
-    a query scale of the config's, soft-capped scores, and a sliding window whose use may be a
-    traced per-layer flag.
+    a query scale of the config's, soft-capped scores, a sliding window whose use may be a
+    traced per-layer flag, and the keys of earlier tokens in a KV cache.
 
     Args:
       q: ``(B, T, H, K)``; query head ``h`` reads kv head ``h // (H / N)``.
-      k, v: ``(B, S, N, K)``; ``S = T`` unless ``positions`` is given.
+      k, v: ``(B, T, N, K)``, the same tokens' keys and values (each sees itself and those before).
       cfg: the scale, soft cap and window.
       sliding: whether this layer's window applies (a bool, or a traced scalar).
-      positions: ``(B, T)`` int, each query's position, for keys that are the slots ``0..S-1``
-        of a KV cache (:mod:`shardkit.models.kv_cache`): a query sees the slots at or before its
-        position. None: query ``i`` is key ``i`` (causal over the T tokens).
+      cached: ``(keys, values, positions)`` of a KV cache (:mod:`shardkit.models.kv_cache`):
+        ``(B, N, C, K)`` slots of each row's earlier tokens (slot ``j``: position ``j``), and the
+        ``(B, T)`` positions of the T tokens, consecutive in a row. A token sees the slots before
+        its row's first new position. The cache is read, not written: the caller writes the new
+        tokens' slots once, after every layer (no copy of the cache per token).
 
     Returns:
       ``(B, T, H, K)``; softmax in float32, as Hugging Face's eager attention computes it.
     """
     b, t, h, d = q.shape
-    n, s = k.shape[2], k.shape[1]
-    scale = cfg.query_scale if cfg.query_scale is not None else d**-0.5
+    n = k.shape[2]
     qg = q.reshape(b, t, n, h // n, d)  # (B, T, N, G, K)
-    scores = jnp.einsum("btngk,bsnk->bngts", qg, k).astype(jnp.float32) * scale  # (B, N, G, T, S)
+    offsets = np.arange(t)
+    own = _allowed(_scores(qg, k, cfg), offsets[:, None], offsets, cfg, sliding, t)  # (B, N, G, T, T)
+    if cached is None:
+        weights = jax.nn.softmax(own, axis=-1).astype(v.dtype)
+        return jnp.einsum("bngts,bsnk->btngk", weights, v).reshape(b, t, h, d)
+    keys, values, positions = cached
+    c = keys.shape[2]
+    query_pos = positions[:, None, None, :, None]  # (B, 1, 1, T, 1)
+    slots = np.arange(c)
+    visible = slots < query_pos[..., :1, :]  # the slots before the row's first new token
+    earlier = _allowed(
+        _scores(qg, keys, cfg, "bnsk"), query_pos, slots, cfg, sliding, c + t, visible
+    )  # (B, N, G, T, C)
+    weights = jax.nn.softmax(jnp.concatenate([earlier, own], axis=-1), axis=-1).astype(v.dtype)  # (B, N, G, T, C+T)
+    out = jnp.einsum("bngts,bnsk->btngk", weights[..., :c], values)
+    out = out + jnp.einsum("bngts,bsnk->btngk", weights[..., c:], v)
+    return out.reshape(b, t, h, d)
+
+
+def _scores(qg: jax.Array, k: jax.Array, cfg: GPTConfig, keys: str = "bsnk") -> jax.Array:
+    """Scaled, soft-capped scores ``(B, N, G, T, S)`` in float32 of grouped queries against keys
+    laid out as ``keys`` says (``bsnk``: tokens' keys; ``bnsk``: a cache's)."""
+    scale = cfg.query_scale if cfg.query_scale is not None else qg.shape[-1] ** -0.5
+    scores = jnp.einsum(f"btngk,{keys}->bngts", qg, k).astype(jnp.float32) * scale
     if cfg.attn_softcap is not None:
         scores = cfg.attn_softcap * jnp.tanh(scores / cfg.attn_softcap)
-    key_pos = np.arange(s)
-    # Query positions as rows: (T, 1) constants, or (B, 1, 1, T, 1) for a batch of cached rows.
-    query_pos: Any = np.arange(t)[:, None] if positions is None else positions[:, None, None, :, None]
-    allowed: Any = key_pos <= query_pos  # (T, S) or (B, 1, 1, T, S): causal
-    if cfg.sliding_window is not None and cfg.sliding_window < s and sliding is not False:
+    return scores
+
+
+def _allowed(
+    scores: jax.Array,
+    query_pos: Any,
+    key_pos: Any,
+    cfg: GPTConfig,
+    sliding: bool | jax.Array,
+    span: int,
+    visible: Any = True,
+) -> jax.Array:
+    """``scores`` with the keys a query may not see set to the float32 minimum: later keys, keys
+    past the sliding window, and those not ``visible``. Positions broadcast: query rows
+    ``(..., T, 1)`` against keys ``(S,)``; ``span``: how many positions the keys cover (a window
+    at least as long changes nothing)."""
+    allowed: Any = (key_pos <= query_pos) & visible
+    if cfg.sliding_window is not None and cfg.sliding_window < span and sliding is not False:
         in_window = allowed & (key_pos > query_pos - cfg.sliding_window)
         allowed = in_window if sliding is True else jnp.where(sliding, in_window, allowed)
-    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # (B, N, G, T, S)
-    return jnp.einsum("bngts,bsnk->btngk", weights, v).reshape(b, t, h, d)
+    return jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
 
 
 class Attention(nnx.Module):
@@ -564,22 +599,20 @@ class Attention(nnx.Module):
         Args:
           x: ``(B, S, D)``, the new tokens' normed activations.
           positions: ``(B, S)`` int32, their positions (consecutive within a row).
-          cache: keys and values ``(B, C, N, K)`` each; slot ``j`` of a row is its position ``j``.
+          cache: keys and values ``(B, N, C, K)`` each of the earlier tokens; slot ``j`` of a row
+            is its position ``j``.
           sliding: whether this layer keeps to the sliding window.
 
         Returns:
-          ``((B, S, D), (keys, values))`` with the new tokens' slots written.
+          ``((B, S, D), (keys, values))``: the output and the new tokens' keys and values
+          ``(B, S, N, K)``, for the caller to write into the cache.
         """
         q, k, v = self.project(x)
         q = layer_rotary(q, self.cfg, sliding, positions)  # (B, S, H, K)
         k = layer_rotary(k, self.cfg, sliding, positions)  # (B, S, N, K)
-        keys, values = (
-            constrain(write_rows(c, new, positions[:, 0]), ("batch", None, "kv_heads", None))
-            for c, new in zip(cache, (k, v))
-        )  # (B, C, N, K) each
         with jax.named_scope("attention"):
-            out = explicit_attention(q, keys, values, self.cfg, sliding, positions)  # (B, S, H, K)
-        return self.output(out), (keys, values)
+            out = explicit_attention(q, k, v, self.cfg, sliding, (*cache, positions))  # (B, S, H, K)
+        return self.output(out), (k, v)
 
     def __call__(self, x: jax.Array, sliding: bool | jax.Array = False) -> jax.Array:
         t = x.shape[1]
@@ -674,8 +707,8 @@ class Block(nnx.Module):
     def decode(
         self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array], sliding: bool | jax.Array
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """The layer over new tokens with a KV cache: ``(B, S, D) -> ((B, S, D), (keys, values))``
-        (see :meth:`Attention.decode`); no dropout."""
+        """The layer over new tokens with a KV cache: ``(B, S, D) -> ((B, S, D), (keys, values))``,
+        the new tokens' own keys and values (see :meth:`Attention.decode`); no dropout."""
         written = []
 
         def attend(h: jax.Array) -> jax.Array:
@@ -845,7 +878,7 @@ class GPT(nnx.Module):
         Args:
           tokens: ``(B, S)`` int, the new tokens of each row.
           positions: ``(B, S)`` int32, their positions.
-          cache: keys and values ``(L, B, C, N, K)`` each.
+          cache: keys and values ``(L, B, N, C, K)`` each.
 
         Returns:
           ``((B, S, D)`` hidden states before the final norm, the cache with the new slots written).
@@ -865,13 +898,19 @@ class GPT(nnx.Module):
                 x, (k, v) = block.decode(x, positions, (k, v), kinds[0] if flag is None else flag)
                 return x, k, v
 
-            x, keys, values = run(x, self.blocks, *cache, jnp.asarray(kinds) if mixed else None)
-            return x, (keys, values)
-        written = []
-        for i, block in enumerate(self.blocks):  # type: ignore[arg-type]  # an nnx.List when unrolled
-            x, kv = block.decode(x, positions, (cache[0][i], cache[1][i]), kinds[i])
-            written.append(kv)
-        return x, (jnp.stack([k for k, _ in written]), jnp.stack([v for _, v in written]))
+            x, keys, values = run(x, self.blocks, *cache, jnp.asarray(kinds) if mixed else None)  # (L, B, S, N, K)
+        else:
+            written = []
+            for i, block in enumerate(self.blocks):  # type: ignore[arg-type]  # an nnx.List when unrolled
+                x, kv = block.decode(x, positions, (cache[0][i], cache[1][i]), kinds[i])
+                written.append(kv)
+            keys, values = jnp.stack([k for k, _ in written]), jnp.stack([v for _, v in written])
+        # The new slots written once, after every layer read the cache: an update in place of the
+        # loop's buffer, where writing inside each layer copied the cache every token.
+        start = positions[:, 0]
+        new = (jnp.swapaxes(keys, 2, 3), jnp.swapaxes(values, 2, 3))  # (L, B, N, S, K)
+        keys, values = (write_rows(c, v, start, axis=1, slot_axis=3) for c, v in zip(cache, new, strict=True))
+        return x, (keys, values)
 
     def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
         key = None if rngs is None else rngs.dropout()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optax
@@ -13,6 +13,7 @@ import optax
 from shardkit.core.mesh import Layout
 from shardkit.core.state import TrainState
 from shardkit.models import hf
+from shardkit.models.generate import generate
 from shardkit.models.gpt import GPTConfig
 from shardkit.training.train import Trainer
 
@@ -40,6 +41,31 @@ class Pretrained:
     state: TrainState
     config: GPTConfig
     hf_config: Mapping[str, Any]
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        params: Any = None,
+        layout: Layout | str | Mapping[str, int] | None = None,
+        **sampling: Any,
+    ) -> list[list[int]]:
+        """Continue token-id prompts with this checkpoint (:func:`shardkit.generate`).
+
+        Args:
+          prompts: token-id lists of any lengths.
+          max_new_tokens: new tokens per prompt.
+          params: the parameters to use (default: ``state.params``, the checkpoint's, or pass
+            the trained ``state.params``).
+          layout: generation's own layout (default: one device on CPUs).
+          **sampling: ``temperature``, ``top_k``, ``top_p``, ``seed``, ``eos_ids``.
+
+        Returns:
+          The new tokens of each prompt.
+        """
+        chosen = self.state.params if params is None else params
+        return generate(self.trainer.model, chosen, prompts, max_new_tokens, layout=layout, **sampling)
 
     def save(self, params: Any, directory: str | os.PathLike[str]) -> pathlib.Path:
         """Write ``params`` (``state.params`` after training) back in the checkpoint's format,
