@@ -105,6 +105,8 @@ def test_shared_flags_mean_the_same_everywhere():
         ("plan", "--batch"): "required",
         ("plan", "--seq"): "required",
         ("plan", "--precision"): "bf16-master",
+        # generation's own layout, not training's: by default one device (no collectives per token)
+        ("generate", "--layout"): None,
     }
     seen: dict[str, tuple[str, object]] = {}
     shared = 0

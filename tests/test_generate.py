@@ -221,3 +221,50 @@ def test_placement_without_a_layout_is_one_device(tiny):
     gen = Generator(model, sharded)
     assert {len(x.sharding.device_set) for x in jax.tree.leaves(gen.params)} == {1}
     assert Placement.of(None).batch_multiple() == 1 and Placement.of("data=2,fsdp=2").batch_multiple() == 4
+
+
+@pytest.mark.slow
+def test_the_command_streams_one_prompt_and_writes_a_json_line_per_prompt(tmp_path, reference_generations):
+    from helpers import run_cli
+
+    family = REFERENCE / "llama3"  # no tokenizer.json beside it: text is cut into bytes
+    run = sk.from_pretrained(family, layout="data=1", devices=jax.devices()[:1])
+    texts = ["abc", "hello, world"]
+    want = run.generate([list(t.encode()) for t in texts], 12)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    common = ("generate", "--init-from", str(family), "--max-new-tokens", "12", "--ignore-eos")
+    batch = run_cli(*common, "--prompts", str(prompts), "--layout", "data=2,tensor=2")
+    assert batch.returncode == 0, batch.stderr
+    rows = [json.loads(line) for line in batch.stdout.splitlines()]
+    assert [r["tokens"] for r in rows] == want and [r["prompt"] for r in rows] == texts
+    assert "KV cache:" in batch.stderr and "data=2,tensor=2" in batch.stderr
+    one = run_cli(*common, "--prompt", "abc")
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.startswith("abc") and one.stdout.rstrip("\n") == "abc" + rows[0]["completion"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--max-new-tokens", "0"), "max_new_tokens=0"),
+        (("--max-new-tokens", "4", "--top-p", "2"), "top_p=2.0 must be in"),
+        (("--max-new-tokens", "4", "--layout", "tensor=8"), "kv heads over tensor=8"),
+        (("--max-new-tokens", "4", "--prompts", "PROMPTS"), 'line 2: each line needs a "prompt" string'),
+        (("--max-new-tokens", "4000"), "max_seq"),
+    ],
+    ids=["no-new-tokens", "top-p", "kv-heads", "prompts-row", "too-long"],
+)
+def test_the_command_refuses_bad_requests_by_name(tmp_path, flags, message):
+    from shardkit.cli.commands import main
+
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    flags = tuple(str(bad) if f == "PROMPTS" else f for f in flags)
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stderr(buffer):
+        assert main(["generate", "--init-from", str(REFERENCE / "llama3"), *flags]) == 2
+    assert message in buffer.getvalue(), buffer.getvalue()

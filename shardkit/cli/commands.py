@@ -220,10 +220,15 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     gen = _subcommand(sub, "generate", "continue text with a checkpoint or a saved run (KV cache, batched)")
-    add_flags(gen, TrainConfig, only=(*SAVED_RUN, "devices", "seed"))
+    # --prompt is the one of `train`'s sample: its continuation is printed as it is produced.
+    add_flags(gen, TrainConfig, only=(*SAVED_RUN, "devices", "seed", "prompt"))
     gen.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest that verifies)")
-    gen.add_argument("--prompt", default=None, help="one prompt; its continuation is printed as it is produced")
-    gen.add_argument("--prompts", default=None, metavar="FILE.jsonl", help='prompts, one {"prompt": "..."} a line')
+    gen.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE.jsonl",
+        help='prompts, one {"prompt": "..."} a line (instead of --prompt)',
+    )
     gen.add_argument("--max-new-tokens", type=int, required=True, help="new tokens per prompt (>= 1)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else the softmax temperature")
     gen.add_argument("--top-k", type=int, default=None, help="draw from the k likeliest tokens only")

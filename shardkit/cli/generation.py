@@ -1,6 +1,7 @@
 """``shardkit generate``: continue text with a Hugging Face checkpoint or a saved training run.
 
-One ``--prompt`` streams its continuation as it is produced; ``--prompts FILE.jsonl`` (rows of
+One ``--prompt`` (default ``"def "``, as ``train``'s sample) streams its continuation as it is
+produced; ``--prompts FILE.jsonl`` (rows of
 ``{"prompt": "..."}``) runs them as one batch and prints one JSON line per prompt. Text is cut
 with the checkpoint's tokenizer (``tokenizer.json``), or into bytes where there is none.
 """
@@ -85,19 +86,19 @@ def model_and_params(cfg: TrainConfig, step: int | None, layout: str | None) -> 
     if not cfg.init_from:
         raise InputError("generate needs --init-from DIR (a Hugging Face checkpoint) or --checkpoint-dir RUN.")
     from shardkit.models import hf
-    from shardkit.models.generate import Placement
+    from shardkit.models.generate import Placement, check_layout
 
     gpt = hf.gpt_config(hf.read_config(cfg.init_from))
     model = gpt.model(name=pathlib.Path(cfg.init_from).name)
-    return model, hf.load_params(cfg.init_from, gpt, Placement.of(layout).params(model))
+    placement = Placement.of(layout)
+    check_layout(gpt.decoder(), placement.mesh)  # before any weight is read
+    return model, hf.load_params(cfg.init_from, gpt, placement.params(model))
 
 
 def run(args: Any, cfg: TrainConfig, out: TextIO | None = None) -> list[dict[str, Any]]:
     """The ``generate`` subcommand: returns one ``{"prompt", "completion", "tokens"}`` per prompt."""
     out = sys.stdout if out is None else out
-    if (args.prompt is None) == (args.prompts is None):
-        raise InputError("generate takes one of --prompt TEXT or --prompts FILE.jsonl.")
-    texts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
+    texts = [args.prompt] if args.prompts is None else read_prompts(args.prompts)
     text = Text(tokenizer_path(cfg))
     prompts = [text.encode(t) for t in texts]
     from shardkit.models.generate import Generator
@@ -111,10 +112,10 @@ def run(args: Any, cfg: TrainConfig, out: TextIO | None = None) -> list[dict[str
         seed=args.seed,
         eos_ids=() if args.ignore_eos else eos_of(cfg.init_from),
     )
-    stream = _streamer(text, out) if args.prompt is not None and is_primary() else None
+    stream = _streamer(text, out) if args.prompts is None and is_primary() else None
     if stream is not None:
         print(args.prompt, end="", file=out, flush=True)
-    new = gen.generate(prompts, args.max_new_tokens, on_tokens=stream, **options)  # type: ignore[arg-type]
+    new = gen.generate(prompts, args.max_new_tokens, on_tokens=stream, **options)
     rows = [{"prompt": t, "completion": text.decode(ids), "tokens": ids} for t, ids in zip(texts, new, strict=True)]
     if is_primary():
         if stream is None:

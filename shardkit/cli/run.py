@@ -356,7 +356,7 @@ def train(cfg: TrainConfig, *, out: TextIO | None = None, progress: bool = True)
         sampled = generate(
             trainer.model,
             loop.state.params,
-            [prompt],
+            [prompt.tolist()],
             sample_length(trainer.model, len(prompt), cfg.sample_tokens),
             temperature=SAMPLE_TEMPERATURE,
             seed=cfg.seed,

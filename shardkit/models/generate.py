@@ -254,20 +254,10 @@ class Generator:
         if self.placement.mesh is None:
             self.params = _one_device(params)
         else:
-            self._check_layout(self.placement.mesh)
+            check_layout(self.decoder, self.placement.mesh)
             self.params = jax.device_put(params, self.placement.params(model))
         self._prefill = jax.jit(_prefill, static_argnums=(0, 1, 2, 3, 4))
         self._decode = jax.jit(_decode, static_argnums=(0, 1, 2), donate_argnums=(4,))
-
-    def _check_layout(self, mesh: Mesh) -> None:
-        tensor = dict(mesh.shape).get("tensor", 1)
-        heads = self.decoder.kv_heads
-        if tensor > 1 and heads is not None and heads % tensor:
-            raise LayoutError(
-                f"generate: the KV cache splits its {heads} kv heads over tensor={tensor}, which does not divide "
-                f"them. Fix: a generation layout whose tensor axis divides {heads} (e.g. tensor="
-                f"{math.gcd(heads, tensor)}), or put the devices on data."
-            )
 
     def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """The prompts as lists of ints, or an :class:`InputError` naming the bad one."""
@@ -357,6 +347,18 @@ class Generator:
             until = min(int(_host(state["step"])) + step, max_new_tokens)
             state = self._decode(self.decoder, self.placement, sampling, self.params, state, jnp.int32(until))
         return _rows(state["out"], n)
+
+
+def check_layout(decoder: Decoder, mesh: Mesh | None) -> None:
+    """Refuse a generation layout whose ``tensor`` axis does not divide the cache's kv heads."""
+    tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
+    heads = decoder.kv_heads
+    if tensor > 1 and heads is not None and heads % tensor:
+        raise LayoutError(
+            f"generate: the KV cache splits its {heads} kv heads over tensor={tensor}, which does not divide "
+            f"them. Fix: a generation layout whose tensor axis divides {heads} (e.g. tensor="
+            f"{math.gcd(heads, tensor)}), or put the devices on data."
+        )
 
 
 def _mesh(layout: Layout) -> Mesh:

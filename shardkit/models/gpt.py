@@ -901,7 +901,8 @@ class GPT(nnx.Module):
             x, keys, values = run(x, self.blocks, *cache, jnp.asarray(kinds) if mixed else None)  # (L, B, S, N, K)
         else:
             written = []
-            for i, block in enumerate(self.blocks):  # type: ignore[arg-type]  # an nnx.List when unrolled
+            blocks: Any = self.blocks  # an nnx.List when unrolled
+            for i, block in enumerate(blocks):
                 x, kv = block.decode(x, positions, (cache[0][i], cache[1][i]), kinds[i])
                 written.append(kv)
             keys, values = jnp.stack([k for k, _ in written]), jnp.stack([v for _, v in written])
@@ -924,4 +925,4 @@ def _graphdef(cfg: GPTConfig) -> Any:
     """The graph of a GPT of this config (built abstractly once), for ``nnx.merge`` with parameters."""
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
-    return nnx.split(abstract, nnx.Param, ...)[0]  # type: ignore[misc]
+    return nnx.split(abstract, nnx.Param, ...)[0]
