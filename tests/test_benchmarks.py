@@ -269,3 +269,15 @@ def test_hf_import_benchmark_small(tmp_path, experts):
     for p in result["processes"]:
         assert p["share"] * 2 == pytest.approx(result["model_bytes"], rel=0.01)  # fsdp=4 over 2 processes
         assert p["added"] < 0.9 * result["model_bytes"]
+
+
+@pytest.mark.slow
+def test_generate_benchmark_small(tmp_path):
+    small = ["--contexts", "8", "32", "--new", "6", "--repeats", "1", "--max-seq", "128"]
+    out = run(sys.executable, "benchmarks/generate.py", *small, "--json", str(tmp_path / "g.json"))
+    result = json.loads((tmp_path / "g.json").read_text())
+    assert [r["context"] for r in result["rows"]] == [8, 32]
+    assert all(r["same_tokens_as_recompute"] for r in result["rows"])  # the cache changes no token
+    cache = result["llama_3_1_8b_cache"]  # 32 layers x 8 kv heads x 128 x 2 (k, v) x bf16 per position
+    assert cache["one device"] == 32 * 8 * 128 * 2 * 2 * 8192 == 8 * cache["tensor=8"]
+    assert "decode ms/token" in out
