@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardkit.core.errors import InputError, LayoutError, short_repr
 from shardkit.core.mesh import Layout, as_layout
 from shardkit.core.partition import constrain, named, specs_for, use_sharding
-from shardkit.core.rules import Rules, default_rules
+from shardkit.core.rules import Rules, default_rules, resolve
 from shardkit.models.kv_cache import Decoder, recompute_decoder
 from shardkit.models.model import Model, Params
 
@@ -386,8 +386,6 @@ def _rows(out: jax.Array, n: int) -> list[list[int]]:
 def cache_bytes_per_device(decoder: Decoder, batch: int, length: int, placement: Placement) -> int:
     """Bytes of a cache of ``batch`` rows x ``length`` positions held by each device of
     ``placement``: the shapes of ``decoder.empty`` split as ``decoder.names`` resolve."""
-    from shardkit.core.rules import resolve
-
     shapes = jax.eval_shape(lambda: decoder.empty(batch, length))
     sizes = {} if placement.mesh is None else dict(placement.mesh.shape)
     total = 0
