@@ -43,7 +43,8 @@ from shardkit.models.kv_cache import recompute_decoder
 
 TORCH_SCRIPT = r"""
 import json, sys, time, torch, transformers
-path, prompt_len, new, threads, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+path = sys.argv[1]
+prompt_len, new, threads, repeats = (int(a) for a in sys.argv[2:6])
 torch.set_num_threads(threads)
 model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
 ids = torch.tensor([list(range(1, prompt_len + 1))]) % 256
