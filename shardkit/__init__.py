@@ -9,6 +9,7 @@ The public API, all of it re-exported here::
 """
 
 from shardkit._lazy import install
+from shardkit._moved import install as keep_old_paths
 
 # Names resolve on first use (PEP 562), so `import shardkit` and `shardkit --help` do not start
 # JAX, and sk.simulate_devices(n) can still come first. The public submodules, by the name `sk.`
@@ -69,6 +70,7 @@ _WHERE = {
 
 
 __getattr__, __dir__ = install(__name__, _WHERE, _SUBMODULES)
+keep_old_paths()  # `from shardkit.report import ...` and the other paths from before the folders
 
 __version__ = "0.1.0"
 

@@ -144,6 +144,12 @@ def run_python(code: str, env: dict | None = None, timeout: int = 300) -> subpro
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
+def installed_command() -> str:
+    """The ``shardkit`` script pip installed beside this interpreter (never whatever ``PATH``
+    holds: the tests may run without the virtual environment activated)."""
+    return str(pathlib.Path(sys.executable).parent / "shardkit")
+
+
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python -m shardkit.cli ARGS`` in a fresh process that picks its own device count
     (``env``: variables added to the tests' own)."""

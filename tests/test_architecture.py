@@ -12,7 +12,7 @@ PACKAGE = pathlib.Path(__file__).parent.parent / "shardkit"
 # docs/architecture.md, "Layers": the package's folders, lowest first. A module imports only from
 # its own folder or a folder below it (at run time; the root's __init__ and _lazy import none).
 FOLDERS = ("core", "runtime", "io", "parallel", "models", "analysis", "training", "plan", "cli")
-ROOT_MODULES = {"__init__", "_lazy"}
+ROOT_MODULES = {"__init__", "_lazy", "_moved"}
 
 
 def top(module: str) -> str:
@@ -73,7 +73,7 @@ def test_each_folder_declares_the_folders_below_it_that_it_may_import(folder):
 def test_no_module_imports_outside_what_its_folder_declares(path):
     mine = own_name(path)
     if mine in ROOT_MODULES:
-        assert runtime_imports(path) <= {"_lazy"}, f"{path.name} must stay lazy: {runtime_imports(path)}"
+        assert runtime_imports(path) <= {"_lazy", "_moved"}, f"{path.name} must stay lazy: {runtime_imports(path)}"
         return
     allowed = declared_imports(mine) | {mine, "__init__", "_lazy"}
     assert runtime_imports(path) <= allowed, f"{path.relative_to(PACKAGE)} imports {runtime_imports(path) - allowed}"
@@ -87,3 +87,31 @@ def test_the_analysis_folder_does_not_import_training():
 def test_the_code_cites_no_file_outside_the_repository():
     for path in MODULES:
         assert "DESIGN.md" not in path.read_text(), path
+
+
+def test_every_module_path_from_before_the_folders_still_imports_as_the_moved_module():
+    import importlib
+
+    from shardkit._moved import MOVED
+
+    for old, new in MOVED.items():
+        assert (PACKAGE / pathlib.Path(*new.split("."))).with_suffix(".py").exists(), new
+        assert importlib.import_module(f"shardkit.{old}") is importlib.import_module(f"shardkit.{new}"), old
+    from shardkit.report import sharding_warnings  # the example
+
+    assert sharding_warnings is importlib.import_module("shardkit.analysis.report").sharding_warnings
+    with pytest.raises(ModuleNotFoundError, match="shardkit.reports"):  # a misspelling is still an error
+        importlib.import_module("shardkit.reports")
+
+
+def test_an_old_path_in_a_fresh_process_imports_no_jax_until_the_module_needs_it():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, shardkit; assert 'jax' not in sys.modules; "
+        "from shardkit.checkpoint import Checkpointer; from shardkit.train import Trainer; "
+        "import shardkit as sk; assert Trainer is sk.Trainer and Checkpointer is sk.Checkpointer; print('ok')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import TEST_XLA_FLAGS, run_cli
+from helpers import TEST_XLA_FLAGS, installed_command, run_cli
 
 import shardkit as sk
 from shardkit.cli.progress import Progress
@@ -126,14 +126,5 @@ def test_readme_library_example_runs():
 
 
 def test_shardkit_console_command_is_installed():
-    import shutil
-
-    exe = shutil.which("shardkit") or str(pathlib_bin() / "shardkit")
-    result = subprocess.run([exe, "train", "--help"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([installed_command(), "train", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "--layout" in result.stdout
-
-
-def pathlib_bin():
-    import pathlib
-
-    return pathlib.Path(sys.executable).parent

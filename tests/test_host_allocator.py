@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import installed_command
 
 from shardkit.analysis.hlo import largest_array_bytes
 from shardkit.core.errors import InputError
@@ -110,7 +111,7 @@ def test_a_misspelled_mode_is_refused_with_the_choices():
         with_huge_pages({}, mode="always")
     # The shardkit command reads it first of all, and says so as for any bad input.
     env = without_tunables() | {"SHARDKIT_HOST_ALLOCATOR": "fast"}
-    proc = subprocess.run(["shardkit", "dryrun", "--help"], capture_output=True, text=True, env=env)
+    proc = subprocess.run([installed_command(), "dryrun", "--help"], capture_output=True, text=True, env=env)
     assert proc.returncode != 0 and "choose one of auto, huge_pages, system" in proc.stderr
     assert "Traceback" not in proc.stderr
 
