@@ -131,7 +131,7 @@ def test_tensor_parallel_user_models_reduce_megatrons_count(kind):
     bound = report.lower_bound["bytes_per_device"]
     assert bound == pytest.approx(4 * CFG.layers * ring_all_reduce(act, 8))
     assert report.moved_bytes <= bound * (4 * CFG.layers + 2) / (4 * CFG.layers) * 1.01
-    assert not [e for e in report.extras() if "projections" in e], report.extras()
+    assert not [e for e in report.extras() if "separate projections" in e], report.extras()
 
 
 # The size of benchmarks/any_model.py: at dim 64 and 32 tokens the embedding gradient's
@@ -156,7 +156,7 @@ def test_hybrid_layout_on_user_models_within_five_percent_of_its_bound(kind):
     ]
     # One per attention block and one per MLP (and the output layer's, where the head is split).
     assert 2 * WIDE.layers <= sum(c.count for c in backward) <= 2 * WIDE.layers + 1, backward
-    assert not [e for e in report.extras() if "projections" in e], report.extras()
+    assert not [e for e in report.extras() if "separate projections" in e], report.extras()
 
 
 def test_an_embedding_gradient_is_reduced_onto_its_shards():

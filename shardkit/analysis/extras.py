@@ -1,50 +1,184 @@
-"""Collectives a compiled step runs beyond its layout's bound, named by the user's op and said
-in words: what the model or XLA did, and what would remove it.
+"""Every byte a compiled step moves beyond its layout's bound, named by the user's op, with its
+cause and the fix.
 
-The bound (:mod:`shardkit.analysis.report`) counts what the layout needs: Megatron's all-reduces
-per layer under ``tensor``, FSDP's gathers and reduce-scatters, the data axis's gradient
-reduction. What a compiled step runs beyond it comes from the model's own structure or from
-XLA's partitioner; :func:`extra_collectives` recognises the three patterns measured on models
-written without shardkit:
+The bound (:func:`shardkit.analysis.report.lower_bound`) is a sum of terms, each the least one
+kind of traffic needs: ``fsdp`` (ZeRO-3's gathers and reduce-scatters) and ``data`` (the gradients'
+reduction) together the *parameters* term, ``tensor`` (Megatron's four all-reduces of a layer's
+activation per layer) and ``stage`` (a pipeline's sends). :func:`beyond_the_bound` accounts
+for a report's collectives against those terms:
 
-- **separate projections of one input** under ``tensor``: each projection (``attn/q`` and
-  ``attn/kv``, ``mlp/gate`` and ``mlp/up``) all-reduces its own share of the input's gradient in
-  the backward pass, where one fused matmul would reduce once (XLA:CPU does not re-associate
-  ``all-reduce(a) + all-reduce(b)``). shardkit's step sums them before the reduction
-  (:mod:`shardkit.parallel.input_gradients`) wherever each weight is a parameter split over
-  ``tensor`` on its output features, so a report names them only where it could not tell;
-- **an embedding gradient reduced whole** over several batch axes and then sliced to its shard;
+1. each collective belongs to the term whose traffic it is (an all-gather over ``fsdp``, a
+   backward reduction over ``data``/``fsdp``, an all-reduce over ``tensor``, a permute over
+   ``stage``) or to none (an all-gather over ``tensor``, an activation reduced over ``fsdp`` in
+   the forward pass, a collective-permute outside a pipeline or ring, an all-to-all...);
+2. a collective of no term is beyond the bound, whole;
+3. a term that moves more than its share of the bound has its excess named: its collectives in
+   order, the least expected first (those outside the layers, smaller than a layer's activation,
+   several projections' shares of one gradient), until they cover the excess.
+
+So the named bytes are at least ``measured - bound`` (each term's excess is at most what it
+names; a term below its share only makes the total smaller), whatever the model; the cause and
+fix of each come from what the collective is (:func:`explain`), the patterns measured on models
+written without shardkit among them:
+
+- **separate projections of one input** under ``tensor``: each (``attn/q`` and ``attn/kv``,
+  ``mlp/gate`` and ``mlp/up``) all-reduces its own share of the input's gradient, where one
+  fused matmul reduces once. shardkit sums them before the reduction
+  (:mod:`shardkit.parallel.input_gradients`) where each weight is a parameter split over
+  ``tensor`` on its output features;
+- **an embedding gradient reduced whole** over several batch axes, then sliced to its shard;
 - **collective-permutes outside a pipeline or a ring**: XLA moving an array between two
   shardings it could not convert between (its "involuntary full rematerialization").
 
 Example:
   >>> from shardkit.analysis.report_data import CollectiveStat
-  >>> stats = [CollectiveStat("all-reduce", ("tensor",), f"layers/0/attn/{p}/dot_general", "backward", 1, 2, 64, 64.0)
-  ...          for p in ("q", "kv")]
-  >>> extra_collectives(stats)[0].split(":")[0]
-  'layers/0/attn'
+  >>> stats = [CollectiveStat("all-gather", ("tensor",), "layers/0/attn/q_norm/mul", "forward", 2, 2, 1000, 1e6)]
+  >>> [(e.op, e.moved_bytes) for e in beyond_the_bound(stats, {"bytes_tensor": 0.0})]
+  [('layers/0/attn/q_norm/mul', 1000000.0)]
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from shardkit.analysis.report_data import CollectiveStat
 
+BATCH_AXES = frozenset({"data", "fsdp"})
+# A term over its share of the bound by less than this part of it is rounding (arrays padded to
+# divide their axes), not traffic to name.
+ROUNDING = 0.005
 
-def extra_collectives(collectives: Iterable[CollectiveStat]) -> list[str]:
-    """One sentence per pattern found beyond the layout's bound, each naming the user's ops.
+
+@dataclasses.dataclass(frozen=True)
+class Excess:
+    """One collective (aggregated by op) beyond the bound.
+
+    Attributes:
+      op: the user's op (module path and primitive), as the report's table names it.
+      kind, axes, direction: as :class:`CollectiveStat` has them.
+      moved_bytes: the bytes of it counted beyond the bound: all of it for a collective of no term;
+        against a term's excess, what is left of the excess when it is named (at most all of it).
+      total_bytes: all the bytes it moves.
+      term: the bound's term it was set against, or ``""`` for none.
+      cause: what the model or XLA did, in a sentence.
+      fix: what the user can change (or why nothing needs to).
+    """
+
+    op: str
+    kind: str
+    axes: tuple[str, ...]
+    direction: str
+    moved_bytes: float
+    total_bytes: float
+    term: str
+    cause: str
+    fix: str
+
+    def line(self) -> str:
+        axes = "+".join(self.axes) or "-"
+        part = "" if self.moved_bytes >= self.total_bytes else f" of its {self.total_bytes / 1e6:.3f} MB"
+        return (
+            f"{self.op}: {self.kind} over {axes}, {self.direction} ({self.moved_bytes / 1e6:.3f} MB{part}): "
+            f"{self.cause} Fix: {self.fix}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "axes": list(self.axes), "mb": self.moved_bytes / 1e6}
+
+
+def term_of(c: CollectiveStat) -> str:
+    """The bound's term whose traffic ``c`` is: ``parameters``, ``tensor``, ``stage``, or ``""``."""
+    axes = set(c.axes)
+    if not axes:
+        return ""
+    if c.kind == "collective-permute":
+        return "stage" if axes == {"stage"} else ""
+    if c.kind == "all-reduce" and axes == {"tensor"}:
+        return "tensor"
+    if axes <= BATCH_AXES:
+        if c.kind == "all-gather" and "fsdp" in axes:
+            return "parameters"  # ZeRO-3 gathers weights for the forward and again for the backward
+        if c.kind in ("reduce-scatter", "all-reduce") and c.direction == "backward":
+            return "parameters"  # gradients reduced over the batch axes
+    return ""
+
+
+def _budget(bound: Mapping[str, float], term: str) -> float:
+    if term == "parameters":
+        return bound.get("bytes_fsdp", 0.0) + bound.get("bytes_data", 0.0)
+    return bound.get(f"bytes_{term}", 0.0)
+
+
+def _in_a_layer(op: str) -> bool:
+    """Whether the op's path goes through a numbered layer (``blocks/0/...``, ``block_1/...``) or
+    a scanned layer stack."""
+    return bool(re.search(r"(^|/)([^/]*_)?\d+(/|$)", op)) or "/while/" in op or op.startswith("layers/")
+
+
+def _least_expected_first(members: list[CollectiveStat], term: str) -> list[CollectiveStat]:
+    """A term's collectives in the order they are named against its excess."""
+    if term == "tensor":
+        typical = collections.Counter(c.payload_bytes for c in members if _in_a_layer(c.op)).most_common(1)
+        activation = typical[0][0] if typical else 0
+        key = lambda c: (_in_a_layer(c.op), c.payload_bytes >= activation, " (+" not in c.op, -c.moved_bytes)
+        return sorted(members, key=key)
+    # Parameters: gradients all-reduced over several axes (a parameter kept whole) first, then a
+    # backward gather larger than its module's forward one (a weight gathered at another split),
+    # then the rest, largest first.
+    gathers = [c for c in members if c.kind == "all-gather"]
+    forward = {module_path(c.op): c.payload_bytes for c in gathers if c.direction == "forward"}
+
+    def unexpected(c: CollectiveStat) -> int:
+        if c.kind == "all-reduce" and len(c.axes) >= 2:
+            return 0
+        if c.kind == "all-gather" and c.direction == "backward" and c.payload_bytes > forward.get(module_path(c.op), 0):
+            return 1
+        return 2
+
+    return sorted(members, key=lambda c: (unexpected(c), -c.moved_bytes))
+
+
+def beyond_the_bound(collectives: Iterable[CollectiveStat], bound: Mapping[str, float]) -> list[Excess]:
+    """The collectives that account for what a step moves beyond its bound, largest first.
 
     Args:
       collectives: the report's collectives.
+      bound: the report's ``lower_bound`` (its ``bytes_<term>`` entries).
 
     Returns:
-      Sentences, the separate projections first (by module), then embedding gradients, then
-      collective-permutes; empty when none is found.
+      One :class:`Excess` per collective named, their bytes adding up to at least the measured
+      bytes minus the bound.
     """
-    stats = list(collectives)
-    return [*_separate_projections(stats), *_embedding_gradients(stats), *_stray_permutes(stats)]
+    stats = [c for c in collectives if c.moved_bytes > 0]
+    by_term: dict[str, list[CollectiveStat]] = collections.defaultdict(list)
+    for c in stats:
+        by_term[term_of(c)].append(c)
+    named = [(c, "", c.moved_bytes) for c in by_term.pop("", [])]
+    for term, members in by_term.items():
+        budget = _budget(bound, term)
+        excess = sum(c.moved_bytes for c in members) - budget
+        if excess <= ROUNDING * budget:  # padding and odd sizes, not traffic
+            continue
+        for c in _least_expected_first(members, term):
+            if excess <= 0:
+                break
+            named.append((c, term, min(c.moved_bytes, excess)))  # a big collective only in part beyond
+            excess -= c.moved_bytes
+    projections = _separate_projections(stats)
+    out = [
+        Excess(c.op, c.kind, c.axes, c.direction, beyond, c.moved_bytes, term, *explain(c, term, projections))
+        for c, term, beyond in named
+    ]
+    return sorted(out, key=lambda e: -e.moved_bytes)
+
+
+def extra_collectives(collectives: Iterable[CollectiveStat], bound: Mapping[str, float] | None = None) -> list[str]:
+    """:func:`beyond_the_bound` as sentences (the report's "beyond the bound:" lines)."""
+    return [e.line() for e in beyond_the_bound(collectives, bound or {})]
 
 
 def module_path(op: str) -> str:
@@ -54,61 +188,102 @@ def module_path(op: str) -> str:
     return "/".join(p for p in parts[:-1] if "->" not in p and "," not in p)
 
 
-_FIX = (
-    "shardkit sums such gradients before reducing them only where each weight is a parameter (or its "
-    "cast) split over tensor on its output features. Fix: use the parameters as they are in the "
-    "projections, or fuse them (as shardkit's GPT fuses q/k/v and gate/up)."
+_FIX_PROJECTIONS = (
+    "shardkit sums such gradients before reducing them where each weight is a parameter (or its cast) split over "
+    "tensor on its output features; use the parameters as they are in the projections, or fuse them (as "
+    "shardkit's GPT fuses q/k/v and gate/up)."
 )
 
 
-def _separate_projections(stats: list[CollectiveStat]) -> list[str]:
-    by_parent: dict[str, dict[str, CollectiveStat]] = collections.defaultdict(dict)
-    backward = [c for c in stats if c.kind == "all-reduce" and c.axes == ("tensor",) and c.direction == "backward"]
-    activation = max((c.payload_bytes for c in stats if c.axes == ("tensor",) and c.direction == "forward"), default=0)
-    out = []
-    for c in backward:
-        if "dot_general" not in c.op:
-            continue
-        if " (+" in c.op and activation and c.payload_bytes >= 1.5 * activation:
-            # XLA combined the projections' all-reduces into one: the same bytes, in one call.
-            out.append(
-                f"{c.op}: the input gradients of several projections, all-reduced together over tensor "
-                f"({c.payload_bytes / activation:.1f}x a layer's activation, {c.moved_bytes / 1e6:.3f} MB, where "
-                "Megatron reduces one activation): separate projections of one input. " + _FIX
-            )
-            continue
-        path = module_path(c.op)
-        if "/" in path:
-            parent, projection = path.rsplit("/", 1)
-            by_parent[parent][projection] = c
-    for parent, projections in sorted(by_parent.items()):
-        if len(projections) < 2:
-            continue
-        names = sorted(projections)
-        moved = sum(c.moved_bytes for c in projections.values())
-        out.append(
-            f"{parent}: {' and '.join(names)} each all-reduce their share of the input's gradient over tensor "
-            f"({len(names)} all-reduces, {moved / 1e6:.3f} MB, where Megatron reduces once): separate "
-            "projections of one input. " + _FIX
+def _separate_projections(stats: list[CollectiveStat]) -> set[str]:
+    """Ops that are one of several projections of one input all-reducing their input gradient."""
+    by_parent: dict[str, list[str]] = collections.defaultdict(list)
+    for c in stats:
+        if c.kind == "all-reduce" and c.axes == ("tensor",) and c.direction == "backward" and "dot_general" in c.op:
+            path = module_path(c.op)
+            if "/" in path:
+                by_parent[path.rsplit("/", 1)[0]].append(c.op)
+    return {op for ops in by_parent.values() if len(ops) >= 2 for op in ops}
+
+
+def explain(c: CollectiveStat, term: str, projections: set[str] = frozenset()) -> tuple[str, str]:  # type: ignore[assignment]
+    """``(cause, fix)`` of one collective beyond the bound, from what it is."""
+    axes = "+".join(c.axes)
+    batch_only = set(c.axes) <= BATCH_AXES
+    if c.kind == "collective-permute" and not {"stage", "sequence"} & set(c.axes):
+        return (
+            "XLA moved an array between two shardings it could not convert between (an involuntary "
+            "rematerialization), here at a lookup or reshape whose operands are split differently.",
+            "give the operands one split (name the table's and the ids' axes alike), or sk.constrain the op's output.",
         )
-    return out
-
-
-def _embedding_gradients(stats: list[CollectiveStat]) -> list[str]:
-    return [
-        f"{c.op}: an embedding table's gradient is all-reduced whole over {'+'.join(c.axes)} "
-        f"({c.moved_bytes / 1e6:.3f} MB), then sliced to the table's shard: XLA's partitioning of the "
-        "lookup's scatter-add (shardkit reduces it onto the shards where the lookup reads a parameter's "
-        "table as it is; here it could not)."
-        for c in stats
-        if c.kind == "all-reduce" and "scatter-add" in c.op and len(c.axes) > 1
-    ]
-
-
-def _stray_permutes(stats: list[CollectiveStat]) -> list[str]:
-    return [
-        f"{c.op}: a collective-permute over {'+'.join(c.axes)} ({c.moved_bytes / 1e6:.3f} MB): XLA moved an "
-        "array between two shardings it could not convert between (an involuntary rematerialization)."
-        for c in stats
-        if c.kind == "collective-permute" and not {"stage", "sequence"} & set(c.axes)
-    ]
+    if c.kind == "all-reduce" and "scatter-add" in c.op and len(c.axes) > 1:
+        return (
+            "an embedding table's gradient is all-reduced whole, then sliced to the table's shard: XLA's partitioning "
+            "of the lookup's scatter-add.",
+            "read the table as a parameter, as it is (shardkit then reduces it onto its shards).",
+        )
+    if c.op in projections:
+        return (
+            "separate projections of one input each all-reduce their share of the input's gradient over tensor, "
+            "where one fused matmul reduces once.",
+            _FIX_PROJECTIONS,
+        )
+    if c.kind == "all-gather" and not batch_only:
+        return (
+            f"an array split over {axes} is gathered whole for this op: the op (a reshape, an einsum, a norm or a "
+            "lookup) or a constraint needs it whole, or a parameter is split one way and used another (a tied "
+            "embedding: a lookup and a head).",
+            "split the op's operands as the op uses them (the heads of a reshape evenly, a tied table once), "
+            "or leave the activation's non-batch dimensions to the partitioner (sk.constrain only the batch).",
+        )
+    if c.kind == "all-gather" and term == "parameters":
+        return (
+            f"a weight gathered over {axes} beyond ZeRO's one gather per pass: in the backward pass at another "
+            "split than the forward's (more bytes: the gradient's matmul wants it split another way), or once "
+            "more (a regather, or a weight read by two ops).",
+            "name the weight's axes as its matmuls use it, fuse projections gathered together, or recompute "
+            "less (a remat policy that saves the gathered weights).",
+        )
+    if c.kind == "all-gather":
+        return (
+            f"an array split over {axes} (the batch: token ids or activations) is gathered whole for this op, "
+            "so each device of the group holds every row.",
+            "sk.constrain the op's operands to the batch split; for a lookup, split the table and the ids as "
+            "the rules say.",
+        )
+    if c.kind in ("all-reduce", "reduce-scatter") and batch_only and c.direction == "forward":
+        return (
+            f"an activation is reduced over {axes} in the forward pass: a parameter's split over a batch axis reached "
+            "the activations (ZeRO-3 turned into tensor parallelism), or a statistic over the batch (BatchNorm).",
+            "keep from_nnx/from_linen's boundaries on, or sk.constrain the activation's batch dimension; "
+            "a batch statistic is expected.",
+        )
+    if term == "parameters":
+        return (
+            f"gradients reduced over {axes} beyond ZeRO's reduce-scatter of every parameter: parameters kept whole "
+            "(below fsdp_min_size, or not split over tensor) are all-reduced, twice a reduce-scatter's bytes.",
+            "sk.Trainer(..., fsdp_min_size=0) splits small parameters too; name the tensor axes of parameters "
+            "that should be split.",
+        )
+    if term == "tensor" and not _in_a_layer(c.op):
+        return (
+            "an all-reduce over tensor outside the layers: the head, the embedding or the loss reduces over a "
+            "vocabulary split over tensor (the bound counts the layers only).",
+            "expected with the vocabulary split over tensor; keep 'vocab' whole (the rules) to trade it for memory.",
+        )
+    if term == "tensor":
+        return (
+            "more all-reduces over tensor in this layer than Megatron's two forward and two backward: a norm, a "
+            "softmax or a projection reduces a dimension split over tensor.",
+            "split heads and MLP units only (not the model dimension), and fuse projections of one input.",
+        )
+    if c.kind == "all-to-all":
+        return (
+            f"an all-to-all over {axes}: XLA changed which dimension is split (experts dispatched, or a reshape "
+            "of a split dimension).",
+            "expected of expert parallelism; elsewhere, split the reshaped dimension evenly.",
+        )
+    return (
+        f"XLA's partitioner inserted it over {axes}; no pattern shardkit knows.",
+        "sk.constrain the op's output to the sharding you want.",
+    )

@@ -224,6 +224,7 @@ class Report:
             "gradient_reduction": self.gradient_reduction,
             "partitioner_dtypes": self.partitioner_dtypes,
             "extras": self.extras(),
+            "beyond_the_bound": [e.to_dict() for e in self.beyond()],
         }
 
     @classmethod
@@ -250,12 +251,16 @@ class Report:
             partitioner_dtypes=d.get("partitioner_dtypes", False),
         )
 
-    def extras(self) -> list[str]:
-        """The collectives beyond the layout's bound that shardkit recognises, each named by the
-        user's op and said in a sentence (:func:`shardkit.analysis.extras.extra_collectives`)."""
-        from shardkit.analysis.extras import extra_collectives
+    def beyond(self) -> list[Any]:
+        """What the step moves beyond the layout's bound, collective by collective, with cause and
+        fix (:func:`shardkit.analysis.extras.beyond_the_bound`): at least ``measured - bound`` bytes."""
+        from shardkit.analysis.extras import beyond_the_bound
 
-        return extra_collectives(self.collectives)
+        return beyond_the_bound(self.collectives, self.lower_bound)
+
+    def extras(self) -> list[str]:
+        """:meth:`beyond` as the sentences the table prints, each naming the user's op."""
+        return [e.line() for e in self.beyond()]
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -306,7 +311,21 @@ class Report:
             f"{self.lower_bound['state_memory_per_device'] / 1e6:.3f} MB model state per device; "
             f"measured/bound: bytes {self.ratios['bytes']:.2f}, memory {self.ratios['memory']:.2f}",
         ]
-        extras = self.extras()
-        if extras:
-            lines += ["", "beyond the bound:", *(f"- {e}" for e in extras)]
+        lines += _beyond_lines(self.beyond(), self.moved_bytes - self.lower_bound["bytes_per_device"])
         return "\n".join(lines)
+
+
+def _beyond_lines(named: Sequence[Any], excess: float, shown_share: float = 0.01) -> list[str]:
+    """The table's "beyond the bound:" section: each collective named, those under
+    ``shown_share`` of the excess folded into one line (the JSON form keeps every one)."""
+    if not named:
+        return []
+    total = sum(e.moved_bytes for e in named)
+    shown = [e for e in named if e.moved_bytes >= shown_share * max(excess, total)]
+    lines = ["", f"beyond the bound: {total / 1e6:.3f} MB named, {max(excess, 0.0) / 1e6:.3f} MB over the bound"]
+    lines += [f"- {e.line()}" for e in shown]
+    rest = [e for e in named if e not in shown]
+    if rest:
+        ops = ", ".join(sorted({e.op for e in rest})[:4]) + (", ..." if len({e.op for e in rest}) > 4 else "")
+        lines.append(f"- and {len(rest)} smaller ({sum(e.moved_bytes for e in rest) / 1e6:.3f} MB): {ops}")
+    return lines
