@@ -184,6 +184,7 @@ def lower_bound(
     *,
     layers: int = 0,
     activation_bytes: float = 0.0,
+    vocab_parallel: bool = False,
 ) -> dict[str, float]:
     """The least a layout must move and hold per device (ring collectives, ZeRO, Megatron, and a
     pipeline's sends between stages).
@@ -196,6 +197,9 @@ def lower_bound(
       activation_bytes: bytes of one layer's ``(batch, seq, hidden)`` activation of one
         tensor-parallel group (global batch / (data x fsdp)), summed over microbatches: also what
         crosses a stage boundary.
+      vocab_parallel: a vocabulary is split over ``tensor`` (Megatron's vocabulary-parallel
+        embedding and output layer): the lookup's output is all-reduced in the forward pass and
+        the output layer's input gradient in the backward pass, one activation each.
 
     Returns:
       ``{"bytes_per_device", "state_memory_per_device", plus each term}``.
@@ -208,8 +212,9 @@ def lower_bound(
         "fsdp": 3 * moved_bytes("all-gather", per_tensor_shard, f),
         # Data parallelism: all-reduce the (fsdp- and tensor-sharded) gradients.
         "data": moved_bytes("all-reduce", per_tensor_shard / f, d),
-        # Megatron: 2 all-reduces forward and 2 backward per layer of (b, s, h) activations.
-        "tensor": 4 * layers * moved_bytes("all-reduce", activation_bytes, t),
+        # Megatron: 2 all-reduces forward and 2 backward per layer of (b, s, h) activations, and
+        # one each for a vocabulary-parallel embedding (forward) and output layer (backward).
+        "tensor": (4 * layers + 2 * vocab_parallel) * moved_bytes("all-reduce", activation_bytes, t),
         # Pipeline: each microbatch's boundary activation goes to the next stage, its gradient
         # comes back (collective-permutes; a lock-step schedule also sends in its bubbles).
         "stage": 2 * moved_bytes("collective-permute", activation_bytes, 2)
@@ -261,7 +266,12 @@ def build_report(
     # One layer's (b, s, h) activation of one tensor-parallel group, summed over microbatches.
     per_group_rows = rows / (layout_shape.get("data", 1) * layout_shape.get("fsdp", 1))
     activation = per_group_rows * seq * info.get("dim", 0) * np.dtype(trainer.precision.compute).itemsize
-    bound = lower_bound(layout_shape, param_bytes, state_bytes, layers=layers, activation_bytes=activation)
+    vocab_parallel = layers > 0 and any(
+        "vocab" in row["logical"] and "tensor" in row["spec"] for row in trainer.sharding_table()
+    )
+    bound = lower_bound(
+        layout_shape, param_bytes, state_bytes, layers=layers, activation_bytes=activation, vocab_parallel=vocab_parallel
+    )
     model_flops = None
     if (
         info.get("matmul_params") and "tokens" in batch
