@@ -119,12 +119,34 @@ def _in_a_layer(op: str) -> bool:
     return bool(re.search(r"(^|/)([^/]*_)?\d+(/|$)", op)) or "/while/" in op or op.startswith("layers/")
 
 
-def _least_expected_first(members: list[CollectiveStat], term: str) -> list[CollectiveStat]:
+def typical_activation(stats: Iterable[CollectiveStat]) -> int:
+    """The payload most all-reduces over ``tensor`` inside the layers have: a layer's activation."""
+    sizes = collections.Counter(
+        c.payload_bytes for c in stats if c.kind == "all-reduce" and c.axes == ("tensor",) and _in_a_layer(c.op)
+    )
+    return sizes.most_common(1)[0][0] if sizes else 0
+
+
+def _combined(op: str) -> int:
+    """How many collectives XLA combined into the one named ``op`` (``... (+2 combined)`` -> 3)."""
+    found = re.search(r"\(\+(\d+) combined\)", op)
+    return 1 + int(found.group(1)) if found else 1
+
+
+def megatron_sized(c: CollectiveStat, activation: float) -> bool:
+    """Whether ``c`` carries whole activations, one per collective XLA combined into it (a norm's
+    few bytes combined with one aside): the size of Megatron's all-reduces."""
+    if not activation:
+        return False
+    k = round(c.payload_bytes / activation)
+    return 1 <= k <= _combined(c.op) and abs(c.payload_bytes - k * activation) <= 0.05 * activation
+
+
+def _least_expected_first(members: list[CollectiveStat], term: str, activation: float) -> list[CollectiveStat]:
     """A term's collectives in the order they are named against its excess."""
     if term == "tensor":
-        typical = collections.Counter(c.payload_bytes for c in members if _in_a_layer(c.op)).most_common(1)
-        activation = typical[0][0] if typical else 0
-        key = lambda c: (_in_a_layer(c.op), c.payload_bytes >= activation, " (+" not in c.op, -c.moved_bytes)
+        activation = activation or typical_activation(members)
+        key = lambda c: (megatron_sized(c, activation), _in_a_layer(c.op), -c.moved_bytes)
         return sorted(members, key=key)
     # Parameters: gradients all-reduced over several axes (a parameter kept whole) first, then a
     # backward gather larger than its module's forward one (a weight gathered at another split),
@@ -142,12 +164,16 @@ def _least_expected_first(members: list[CollectiveStat], term: str) -> list[Coll
     return sorted(members, key=lambda c: (unexpected(c), -c.moved_bytes))
 
 
-def beyond_the_bound(collectives: Iterable[CollectiveStat], bound: Mapping[str, float]) -> list[Excess]:
+def beyond_the_bound(
+    collectives: Iterable[CollectiveStat], bound: Mapping[str, float], activation: float = 0.0
+) -> list[Excess]:
     """The collectives that account for what a step moves beyond its bound, largest first.
 
     Args:
       collectives: the report's collectives.
       bound: the report's ``lower_bound`` (its ``bytes_<term>`` entries).
+      activation: the payload of one of Megatron's all-reduces (a layer's activation per
+        microbatch); 0 takes the payload most all-reduces over ``tensor`` in the layers have.
 
     Returns:
       One :class:`Excess` per collective named, their bytes adding up to at least the measured
@@ -163,14 +189,16 @@ def beyond_the_bound(collectives: Iterable[CollectiveStat], bound: Mapping[str, 
         excess = sum(c.moved_bytes for c in members) - budget
         if excess <= ROUNDING * budget:  # padding and odd sizes, not traffic
             continue
-        for c in _least_expected_first(members, term):
+        for c in _least_expected_first(members, term, activation):
             if excess <= 0:
                 break
             named.append((c, term, min(c.moved_bytes, excess)))  # a big collective only in part beyond
             excess -= c.moved_bytes
-    projections = _separate_projections(stats)
+    projections, activation = _separate_projections(stats), activation or typical_activation(stats)
     out = [
-        Excess(c.op, c.kind, c.axes, c.direction, beyond, c.moved_bytes, term, *explain(c, term, projections))
+        Excess(
+            c.op, c.kind, c.axes, c.direction, beyond, c.moved_bytes, term, *explain(c, term, projections, activation)
+        )
         for c, term, beyond in named
     ]
     return sorted(out, key=lambda e: -e.moved_bytes)
@@ -206,8 +234,11 @@ def _separate_projections(stats: list[CollectiveStat]) -> set[str]:
     return {op for ops in by_parent.values() if len(ops) >= 2 for op in ops}
 
 
-def explain(c: CollectiveStat, term: str, projections: set[str] = frozenset()) -> tuple[str, str]:  # type: ignore[assignment]
-    """``(cause, fix)`` of one collective beyond the bound, from what it is."""
+def explain(
+    c: CollectiveStat, term: str, projections: frozenset[str] | set[str] = frozenset(), activation: float = 0.0
+) -> tuple[str, str]:
+    """``(cause, fix)`` of one collective beyond the bound, from what it is (``activation``: a
+    layer's activation, the payload of Megatron's all-reduces)."""
     axes = "+".join(c.axes)
     batch_only = set(c.axes) <= BATCH_AXES
     if c.kind == "collective-permute" and not {"stage", "sequence"} & set(c.axes):
@@ -270,6 +301,21 @@ def explain(c: CollectiveStat, term: str, projections: set[str] = frozenset()) -
             "an all-reduce over tensor outside the layers: the head, the embedding or the loss reduces over a "
             "vocabulary split over tensor (the bound counts the layers only).",
             "expected with the vocabulary split over tensor; keep 'vocab' whole (the rules) to trade it for memory.",
+        )
+    if term == "tensor" and megatron_sized(c, activation) and _combined(c.op) > 1:
+        return (
+            f"{_combined(c.op)} all-reduces over tensor XLA combined into one, of whole activations: more than "
+            "Megatron's two forward and two backward in this layer (a norm, a softmax or a separate projection "
+            "reduces a dimension split over tensor).",
+            "split heads and MLP units only (not the model dimension), and fuse projections of one input.",
+        )
+    if term == "tensor" and activation and c.payload_bytes > 1.5 * activation:
+        return (
+            f"an all-reduce over tensor of {c.payload_bytes / activation:.1f}x a layer's activation: the reduction "
+            "comes before an op that shrinks the array (an experts' combine, a pooling, a gather), which XLA does "
+            "not reorder.",
+            "contract the split dimension after the shrinking op (combine the experts' hidden units first, then "
+            "project), or split experts over an expert axis rather than their units over tensor.",
         )
     if term == "tensor":
         return (

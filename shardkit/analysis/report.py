@@ -185,6 +185,7 @@ def lower_bound(
     layers: int = 0,
     activation_bytes: float = 0.0,
     vocab_parallel: bool = False,
+    tensor_blocks: int = 0,
 ) -> dict[str, float]:
     """The least a layout must move and hold per device (ring collectives, ZeRO, Megatron, and a
     pipeline's sends between stages).
@@ -200,9 +201,12 @@ def lower_bound(
       vocab_parallel: a vocabulary is split over ``tensor`` (Megatron's vocabulary-parallel
         embedding and output layer): the lookup's output is all-reduced in the forward pass and
         the output layer's input gradient in the backward pass, one activation each.
+      tensor_blocks: Megatron blocks (an attention, an MLP, a cross-attention: a matmul that
+        contracts a dimension split over ``tensor`` back to the model dimension), each one
+        all-reduce forward and one backward; 0 counts two per layer.
 
     Returns:
-      ``{"bytes_per_device", "state_memory_per_device", plus each term}``.
+      ``{"bytes_per_device", "state_memory_per_device", "activation_bytes", plus each term}``.
     """
     d, f, t = layout_shape.get("data", 1), layout_shape.get("fsdp", 1), layout_shape.get("tensor", 1)
     n = math.prod(layout_shape.values())
@@ -214,7 +218,8 @@ def lower_bound(
         "data": moved_bytes("all-reduce", per_tensor_shard / f, d),
         # Megatron: 2 all-reduces forward and 2 backward per layer of (b, s, h) activations, and
         # one each for a vocabulary-parallel embedding (forward) and output layer (backward).
-        "tensor": (4 * layers + 2 * vocab_parallel) * moved_bytes("all-reduce", activation_bytes, t),
+        "tensor": (2 * (tensor_blocks or 2 * layers) + 2 * vocab_parallel)
+        * moved_bytes("all-reduce", activation_bytes, t),
         # Pipeline: each microbatch's boundary activation goes to the next stage, its gradient
         # comes back (collective-permutes; a lock-step schedule also sends in its bubbles).
         "stage": 2 * moved_bytes("collective-permute", activation_bytes, 2)
@@ -224,8 +229,30 @@ def lower_bound(
     return {
         "bytes_per_device": sum(terms.values()),
         "state_memory_per_device": state_bytes / n,
+        "activation_bytes": activation_bytes,
         **{f"bytes_{k}": v for k, v in terms.items()},
     }
+
+
+def tensor_blocks(table: list[dict[str, Any]]) -> int:
+    """Megatron blocks in a sharding table: matrices whose last dimension is named ``embed`` and
+    another is split over ``tensor`` (an attention's output projection, an MLP's down projection,
+    experts' output weights), times the layers they stack (a leading ``layers`` dimension).
+
+    Example:
+      >>> out = {"logical": "(layers, heads, kv, embed)", "spec": "[-, tensor, -, -]", "shape": (4, 8, 16, 64)}
+      >>> tensor_blocks([out, {"logical": "(vocab, embed)", "spec": "[tensor, -]", "shape": (256, 64)}])
+      4
+    """
+    count = 0
+    for row in table:
+        names = [n.strip() for n in row["logical"].strip("()").split(",")]
+        spec = [e.strip() for e in row["spec"].strip("[]").split(",")]
+        if len(names) < 2 or names[-1] != "embed" or "vocab" in names or len(spec) != len(names):
+            continue
+        if any("tensor" in entry for entry in spec[:-1]):
+            count += row["shape"][0] if names[0] == "layers" else 1
+    return count
 
 
 def build_report(
@@ -266,11 +293,16 @@ def build_report(
     # One layer's (b, s, h) activation of one tensor-parallel group, summed over microbatches.
     per_group_rows = rows / (layout_shape.get("data", 1) * layout_shape.get("fsdp", 1))
     activation = per_group_rows * seq * info.get("dim", 0) * np.dtype(trainer.precision.compute).itemsize
-    vocab_parallel = layers > 0 and any(
-        "vocab" in row["logical"] and "tensor" in row["spec"] for row in trainer.sharding_table()
-    )
+    table = trainer.sharding_table()
+    vocab_parallel = layers > 0 and any("vocab" in row["logical"] and "tensor" in row["spec"] for row in table)
     bound = lower_bound(
-        layout_shape, param_bytes, state_bytes, layers=layers, activation_bytes=activation, vocab_parallel=vocab_parallel
+        layout_shape,
+        param_bytes,
+        state_bytes,
+        layers=layers,
+        activation_bytes=activation,
+        vocab_parallel=vocab_parallel,
+        tensor_blocks=tensor_blocks(table) if layers else 0,
     )
     model_flops = None
     if (

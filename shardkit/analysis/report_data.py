@@ -256,7 +256,8 @@ class Report:
         fix (:func:`shardkit.analysis.extras.beyond_the_bound`): at least ``measured - bound`` bytes."""
         from shardkit.analysis.extras import beyond_the_bound
 
-        return beyond_the_bound(self.collectives, self.lower_bound)
+        activation = self.lower_bound.get("activation_bytes", 0.0) / max(self.microbatches, 1)
+        return beyond_the_bound(self.collectives, self.lower_bound, activation)
 
     def extras(self) -> list[str]:
         """:meth:`beyond` as the sentences the table prints, each naming the user's op."""
