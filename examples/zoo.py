@@ -222,7 +222,7 @@ class Top2Experts(nnx.Module):
         queue = jnp.cumsum(choice.transpose(0, 2, 1, 3).reshape(x.shape[0], 2 * t, e), axis=1) - 1
         slot = (queue.reshape(x.shape[0], 2, t, e).transpose(0, 2, 1, 3) * choice).sum(-1)  # (B, T, 2)
         kept = choice * (slot < capacity)[..., None]
-        where = jax.nn.one_hot(slot, capacity, dtype=x.dtype)  # (B, T, 2, C)
+        where = jax.nn.one_hot(slot.astype(jnp.int32), capacity, dtype=x.dtype)  # (B, T, 2, C)
         dispatch = jnp.einsum("btke,btkc->btec", kept, where)
         combine = jnp.einsum("btke,btkc,btk->btec", kept, where, gates)
         expert_in = jnp.einsum("btec,btd->becd", dispatch, x)
