@@ -13,6 +13,7 @@ simulated CPU devices.
     python benchmarks/any_model.py --layers 8 --remat   # each layer recomputed (nnx.remat / nn.remat)
     python benchmarks/any_model.py --layers 8 --remat dots   # only the gathered weights recomputed
     python benchmarks/any_model.py --kv-heads 8 --layout tensor=8 --layout data=2,fsdp=4
+    python benchmarks/any_model.py --zoo    # examples/zoo.py: seven styles, four layouts, the named excess
 
 The hybrid and ``tensor=8`` rows also measure shardkit's rewrite of the backward pass
 (``shardkit.parallel.input_gradients``): separate projections of one input reduce their input
@@ -75,6 +76,54 @@ def row(name, when, layout, report):
     }
 
 
+ZOO_LAYOUTS = ("data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "data=4,tensor=2")
+
+
+def zoo(layouts, json_path: str) -> None:
+    """Each model of examples/zoo.py at its own size: bytes/bound without boundaries and with
+    them, and the share of the excess the report names ("beyond the bound:")."""
+    import warnings
+
+    import numpy as np
+    from zoo import ZOO
+    from zoo_factories import trainer
+
+    warnings.filterwarnings("ignore", message=".*names no parameter")  # the CNN under tensor=2, as warned
+    rows = []
+    for name, entry in ZOO.items():
+        batch = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in entry.batch(0).items()}
+        for layout in layouts or ZOO_LAYOUTS:
+            ratio = {}
+            for when, boundaries in (("off", False), ("on", True)):
+                report = trainer(name, optax.adamw(1e-3), layout, boundaries=boundaries).report(batch)
+                ratio[when] = report.ratios["bytes"]
+            excess = report.moved_bytes - report.lower_bound["bytes_per_device"]
+            named = sum(e.moved_bytes for e in report.beyond())
+            rows.append(
+                {
+                    "model": name,
+                    "layout": layout,
+                    "bytes_ratio_boundaries_off": ratio["off"],
+                    "bytes_ratio": ratio["on"],
+                    "moved_mb": report.moved_bytes / 1e6,
+                    "bound_mb": report.lower_bound["bytes_per_device"] / 1e6,
+                    "excess_mb": excess / 1e6,
+                    "named_mb": named / 1e6,
+                    "named_share": named / excess if excess > 0 else None,
+                    "largest_named": report.beyond()[0].op if report.beyond() else None,
+                }
+            )
+            r = rows[-1]
+            share = "-" if r["named_share"] is None else f"{r['named_share']:.2f}"
+            largest = r["largest_named"] or ""
+            print(
+                f"{name:16s} {layout:24s} {r['bytes_ratio_boundaries_off']:9.2f} {r['bytes_ratio']:9.2f} "
+                f"{r['moved_mb']:9.3f} {r['bound_mb']:9.3f} {r['named_mb']:9.3f} {share:>6s}  {largest}",
+                flush=True,
+            )
+    write_json(json_path, {"versions": {"jax": jax.__version__}, "rows": rows})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=256)
@@ -93,8 +142,15 @@ def main() -> None:
     parser.add_argument(
         "--layout", action="append", help=f"a layout to measure (repeat the flag; default: {', '.join(LAYOUTS)})"
     )
-    parser.add_argument("--json", default="benchmarks/results/any_model.json")
+    parser.add_argument("--zoo", action="store_true", help="measure examples/zoo.py's seven models instead")
+    parser.add_argument("--json", default=None, help="default benchmarks/results/any_model.json (zoo: zoo.json)")
     args = parser.parse_args()
+    if args.zoo:
+        print(
+            f"{'model':16s} {'layout':24s} {'off/bound':>9s} {'on/bound':>9s} {'moved MB':>9s} {'bound MB':>9s} "
+            f"{'named MB':>9s} {'named':>6s}  largest named"
+        )
+        return zoo(args.layout, args.json or "benchmarks/results/zoo.json")
     cfg = LMConfig(
         dim=args.dim,
         mlp=4 * args.dim,
@@ -122,7 +178,10 @@ def main() -> None:
             f"{r['all_reduce_over_fsdp_mb']:10.2f} {'yes' if r['reduce_scatter'] else 'no':3s} "
             f"{r['temp_mb']:8.2f} {r['state_mb']:8.2f} {r['gflops_per_device']:9.3f}"
         )
-    write_json(args.json, {"config": vars(args), "versions": {"jax": jax.__version__}, "rows": rows})
+    write_json(
+        args.json or "benchmarks/results/any_model.json",
+        {"config": vars(args), "versions": {"jax": jax.__version__}, "rows": rows},
+    )
 
 
 if __name__ == "__main__":

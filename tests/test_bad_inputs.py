@@ -54,6 +54,25 @@ def tiny_state():
     return trainer().init(0)
 
 
+@functools.cache
+def nnx_gpt():
+    """The tiny GPT wrapped as the README wraps it, and its state."""
+    t = sk.Trainer(sk.from_nnx(lambda rngs: sk.models.GPT(TINY, rngs=rngs)), optax.adamw(1e-3), "data=8")
+    return t, t.init(0)
+
+
+@functools.cache
+def regression():
+    """The residual MLP under mse_loss, and its state."""
+    model = sk.from_nnx(lambda rngs: sk.models.MLP(sk.models.MLPConfig(), rngs=rngs))
+    t = sk.Trainer(model, optax.sgd(0.1), "data=8", loss=sk.mse_loss)
+    return t, t.init(0)
+
+
+def regression_batch(x_cols=32, y_cols=32):
+    return {"x": np.ones((8, x_cols), np.float32), "y": np.ones((8, y_cols), np.float32)}
+
+
 def batch(rows=8, cols=17, dtype=np.int32, value=1):
     return {"tokens": np.full((rows, cols), value, dtype)}
 
@@ -380,6 +399,24 @@ API_CASES = [
         ),
         r"multiple of 24",
         setup=lambda: initialized(microbatches=3),
+    ),
+    Case(
+        "api-gpt-from-nnx-longer-than-max-seq",  # the README's wrapping: no max_seq in the model's info
+        api(lambda: nnx_gpt()[0].step(nnx_gpt()[1], nnx_gpt()[0].shard_batch(batch(cols=TINY.max_seq + 73)))),
+        r"200 tokens; it takes at most max_seq=128",
+        setup=nnx_gpt,
+    ),
+    Case(
+        "api-mse-y-shape",
+        api(lambda: regression()[0].step(regression()[1], regression()[0].shard_batch(regression_batch(y_cols=1)))),
+        r"prediction for batch\['x'\] \(8, 32\) has shape \(8, 32\), batch\['y'\] has shape \(8, 1\)",
+        setup=regression,
+    ),
+    Case(
+        "api-mse-x-shape",
+        api(lambda: regression()[0].step(regression()[1], regression()[0].shard_batch(regression_batch(x_cols=5)))),
+        r"does not take batch\['x'\] of shape \(8, 5\)",
+        setup=regression,
     ),
     Case("api-donated-state", lambda _tmp: donated()[0].step(donated()[1], donated()[2]), r"donated", setup=donated),
     Case("api-gpt-zero-layers", api(lambda: GPTConfig(n_layers=0)), r"n_layers"),

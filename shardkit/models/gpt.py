@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardkit.core.errors import ModelError, short_repr
+from shardkit.core.errors import InputError, ModelError, short_repr
 from shardkit.core.partition import constrain, constrain_to, current_rules, free_mesh_shape, logical, without_axes
 from shardkit.core.rules import resolve
 from shardkit.models.dropout import dropout
@@ -794,6 +794,11 @@ class GPT(nnx.Module):
     def embed_inputs(self, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """``(B, T)`` tokens -> ``(B, T, D)`` embeddings (with dropout when ``key`` is given)."""
         cfg = self.cfg
+        if tokens.shape[-1] > cfg.max_seq:  # however the model is wrapped (sk.from_nnx too), before any compile
+            raise InputError(
+                f"GPT got sequences of {tokens.shape[-1]} tokens; it takes at most max_seq={cfg.max_seq} positions. "
+                "Fix: shorter sequences (seq_len), or a GPTConfig with a larger max_seq."
+            )
         dt = self.compute_dtype
         keys = self._keys(key)
         # Gather the table's embed dimension first (what FSDP does for every weight), so the

@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardkit.core.errors import InputError
+
 Batch = Mapping[str, jax.Array]
 # loss(forward, batch) -> (scalar loss, number of tokens/examples it averaged over)
 LossFn = Callable[[Callable[[Any], Any], Batch], tuple[jax.Array, jax.Array]]
@@ -62,8 +64,32 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def mse_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """Mean squared error of ``forward(batch["x"])`` against ``batch["y"]``."""
-    pred = forward(batch["x"])
-    return jnp.mean((pred.astype(jnp.float32) - like(batch["y"], pred)) ** 2), jnp.asarray(
-        batch["x"].shape[0], jnp.int32
-    )
+    """Mean squared error of ``forward(batch["x"])`` against ``batch["y"]``.
+
+    Args:
+      forward: ``x -> prediction``, shaped as ``y``.
+      batch: ``{"x": (B, ...) inputs, "y": (B, ...) targets}``.
+
+    Returns:
+      ``(loss, number of examples B)``.
+
+    Raises:
+      InputError: ``x`` does not fit the model, or the prediction and ``y`` differ in shape
+        (broadcasting them would average the wrong pairs), naming the shapes; raised while the
+        step is traced, before any compile.
+    """
+    x, y = batch["x"], batch["y"]
+    try:
+        pred = forward(x)
+    except (TypeError, ValueError) as e:  # jax's shape errors, where the model meets x
+        raise InputError(
+            f"mse_loss: the model does not take batch['x'] of shape {tuple(x.shape)} ({e}). Fix: x shaped as the "
+            "model's input, rows first."
+        ) from e
+    if tuple(pred.shape) != tuple(y.shape):
+        raise InputError(
+            f"mse_loss: the model's prediction for batch['x'] {tuple(x.shape)} has shape {tuple(pred.shape)}, "
+            f"batch['y'] has shape {tuple(y.shape)}; they would broadcast, pairing the wrong values. Fix: y shaped "
+            f"as the prediction (e.g. y.reshape({', '.join(map(str, pred.shape))}))."
+        )
+    return jnp.mean((pred.astype(jnp.float32) - like(y, pred)) ** 2), jnp.asarray(x.shape[0], jnp.int32)
