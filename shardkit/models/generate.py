@@ -168,7 +168,8 @@ def _prefill(
         b, p = tokens.shape
         cache = _constrained(placement, decoder, decoder.empty(b, length))
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        logits, cache = decoder.forward(params, cache, tokens, positions, lengths - 1)  # (B, V)
+        first_pass = decoder.prefill or decoder.forward  # every row starts at 0: nothing cached to read
+        logits, cache = first_pass(params, cache, tokens, positions, lengths - 1)  # (B, V)
         cache = _constrained(placement, decoder, cache)
         first = choose(logits, _keys(sampling.seed, rows, jnp.int32(0)), sampling)  # (B,)
     out = jnp.full((b, max_new), -1, jnp.int32).at[:, 0].set(first)

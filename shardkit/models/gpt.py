@@ -258,13 +258,16 @@ class GPTConfig:
             shape, dtype = (cfg.n_layers, batch, n, length, k), jnp.dtype(cfg.dtype or cfg.param_dtype)
             return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
-        def forward(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array, last: jax.Array) -> Any:
+        def forward(
+            params: Any, cache: Any, tokens: jax.Array, positions: jax.Array, last: jax.Array, fresh: bool = False
+        ) -> Any:
             module = nnx.merge(_graphdef(cfg), params)
-            hidden, cache = module.decode(tokens, positions, cache)  # (B, S, D)
+            hidden, cache = module.decode(tokens, positions, cache, fresh)  # (B, S, D)
             logits = module.head(pick_rows(hidden, last))  # (B, 1, V)
             return logits[:, 0].astype(jnp.float32), cache
 
-        return Decoder(empty, (KV_NAMES, KV_NAMES), forward, self.max_seq, self.n_kv_heads)
+        prefill = functools.partial(forward, fresh=True)
+        return Decoder(empty, (KV_NAMES, KV_NAMES), forward, self.max_seq, self.n_kv_heads, prefill=prefill)
 
     @property
     def unrolled_layers(self) -> bool:
@@ -592,7 +595,12 @@ class Attention(nnx.Module):
             return jnp.einsum("bthk,hkd->btd", out, w)
 
     def decode(
-        self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array], sliding: bool | jax.Array
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: tuple[jax.Array, jax.Array],
+        sliding: bool | jax.Array,
+        fresh: bool = False,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Attention of new tokens against a KV cache (:mod:`shardkit.models.kv_cache`).
 
@@ -602,6 +610,8 @@ class Attention(nnx.Module):
           cache: keys and values ``(B, N, C, K)`` each of the earlier tokens; slot ``j`` of a row
             is its position ``j``.
           sliding: whether this layer keeps to the sliding window.
+          fresh: the cache is empty and every row starts at position 0 (a prompt's first pass):
+            the new tokens attend to each other only, the cache's slots are not scored.
 
         Returns:
           ``((B, S, D), (keys, values))``: the output and the new tokens' keys and values
@@ -611,8 +621,8 @@ class Attention(nnx.Module):
         q = layer_rotary(q, self.cfg, sliding, positions)  # (B, S, H, K)
         k = layer_rotary(k, self.cfg, sliding, positions)  # (B, S, N, K)
         with jax.named_scope("attention"):
-            out = explicit_attention(q, k, v, self.cfg, sliding, (*cache, positions))  # (B, S, H, K)
-        return self.output(out), (k, v)
+            out = explicit_attention(q, k, v, self.cfg, sliding, None if fresh else (*cache, positions))
+        return self.output(out), (k, v)  # out: (B, S, H, K)
 
     def __call__(self, x: jax.Array, sliding: bool | jax.Array = False) -> jax.Array:
         t = x.shape[1]
@@ -705,14 +715,19 @@ class Block(nnx.Module):
         return self.residuals(x, key, lambda h: self.attn(h, sliding))
 
     def decode(
-        self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array], sliding: bool | jax.Array
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: tuple[jax.Array, jax.Array],
+        sliding: bool | jax.Array,
+        fresh: bool = False,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """The layer over new tokens with a KV cache: ``(B, S, D) -> ((B, S, D), (keys, values))``,
-        the new tokens' own keys and values (see :meth:`Attention.decode`); no dropout."""
+        the new tokens' own keys and values (see :meth:`Attention.decode`, and ``fresh``); no dropout."""
         written = []
 
         def attend(h: jax.Array) -> jax.Array:
-            out, kv = self.attn.decode(h, positions, cache, sliding)
+            out, kv = self.attn.decode(h, positions, cache, sliding, fresh)
             written.append(kv)
             return out
 
@@ -876,7 +891,7 @@ class GPT(nnx.Module):
         return constrain(logits, ("batch", "seq", "vocab"))
 
     def decode(
-        self, tokens: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array]
+        self, tokens: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array], fresh: bool = False
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """New tokens through every layer with a KV cache (:mod:`shardkit.models.kv_cache`).
 
@@ -884,6 +899,8 @@ class GPT(nnx.Module):
           tokens: ``(B, S)`` int, the new tokens of each row.
           positions: ``(B, S)`` int32, their positions.
           cache: keys and values ``(L, B, N, C, K)`` each.
+          fresh: the cache is empty and rows start at position 0 (a prompt's first pass): no
+            layer reads it (:meth:`Attention.decode`).
 
         Returns:
           ``((B, S, D)`` hidden states before the final norm, the cache with the new slots written).
@@ -900,7 +917,7 @@ class GPT(nnx.Module):
                 transform_metadata={nnx.PARTITION_NAME: "layers"},
             )
             def run(x: jax.Array, block: Block, k: jax.Array, v: jax.Array, flag: jax.Array | None):
-                x, (k, v) = block.decode(x, positions, (k, v), kinds[0] if flag is None else flag)
+                x, (k, v) = block.decode(x, positions, (k, v), kinds[0] if flag is None else flag, fresh)
                 return x, k, v
 
             x, keys, values = run(x, self.blocks, *cache, jnp.asarray(kinds) if mixed else None)  # (L, B, S, N, K)
@@ -908,7 +925,7 @@ class GPT(nnx.Module):
             written = []
             blocks: Any = self.blocks  # an nnx.List when unrolled
             for i, block in enumerate(blocks):
-                x, kv = block.decode(x, positions, (cache[0][i], cache[1][i]), kinds[i])
+                x, kv = block.decode(x, positions, (cache[0][i], cache[1][i]), kinds[i], fresh)
                 written.append(kv)
             keys, values = jnp.stack([k for k, _ in written]), jnp.stack([v for _, v in written])
         # The new slots written once, after every layer read the cache: an update in place of the

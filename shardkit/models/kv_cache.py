@@ -45,6 +45,8 @@ class Decoder:
       kv_heads: the cache's kv heads, which a generation layout's ``tensor`` axis must divide
         (None: nothing split by heads).
       kind: ``"kv"`` (keys and values) or ``"tokens"`` (whole rows recomputed).
+      prefill: ``forward`` for a cache known to be empty and rows starting at position 0 (a
+        prompt's first pass): it may skip reading the cache (None: ``forward`` serves).
     """
 
     empty: Callable[[int, int], Any]
@@ -53,6 +55,7 @@ class Decoder:
     max_seq: int | None
     kv_heads: int | None
     kind: str = "kv"
+    prefill: Callable[[Params, Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]] | None = None
 
 
 def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int = 0, slot_axis: int = 1) -> jax.Array:
