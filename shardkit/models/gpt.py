@@ -621,7 +621,10 @@ class Attention(nnx.Module):
         q = layer_rotary(q, self.cfg, sliding, positions)  # (B, S, H, K)
         k = layer_rotary(k, self.cfg, sliding, positions)  # (B, S, N, K)
         with jax.named_scope("attention"):
-            out = explicit_attention(q, k, v, self.cfg, sliding, None if fresh else (*cache, positions))
+            if fresh and not self.explicit(x.shape[1]):  # the training path's attention: rows start at 0
+                out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            else:
+                out = explicit_attention(q, k, v, self.cfg, sliding, None if fresh else (*cache, positions))
         return self.output(out), (k, v)  # out: (B, S, H, K)
 
     def __call__(self, x: jax.Array, sliding: bool | jax.Array = False) -> jax.Array:
