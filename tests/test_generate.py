@@ -3,6 +3,7 @@ lengths, sampling keyed by the prompt and not the layout, transformers' greedy c
 every family (``tests/fixtures/hf_reference/generate.json``, written by transformers 5.25), the
 cache split by the generation layout, and every bad request refused before a compile."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -199,6 +200,7 @@ BAD = [
     (dict(prompts=[[1, 2], []], max_new_tokens=4), "prompt 1 is empty"),
     (dict(prompts=[], max_new_tokens=4), "non-empty list of token-id lists"),
     (dict(prompts=[["a"]], max_new_tokens=4), "prompt 0 must be a list of token ids"),
+    (dict(prompts=[[1], [1, 300]], max_new_tokens=4), "prompt 1 holds token id 300, outside .* \\[0, 256\\)"),
 ]
 
 
@@ -268,3 +270,28 @@ def test_the_command_refuses_bad_requests_by_name(tmp_path, flags, message):
     with contextlib.redirect_stderr(buffer):
         assert main(["generate", "--init-from", str(REFERENCE / "llama3"), *flags]) == 2
     assert message in buffer.getvalue(), buffer.getvalue()
+
+
+def test_the_command_continues_a_saved_run_as_its_parameters_do(tmp_path):
+    """``shardkit generate --checkpoint-dir RUN --model tiny``: the run's own parameters, read
+    from its checkpoint, continue a prompt as sk.generate does with the same parameters."""
+    import contextlib
+    import io
+
+    from shardkit.cli.commands import main
+    from shardkit.cli.run import train
+    from shardkit.core.config import TrainConfig
+
+    run = tmp_path / "run"
+    cfg = TrainConfig(model="tiny", steps=2, batch=8, seq=32, layout="fsdp=8", sample_tokens=0)
+    trained = train(
+        dataclasses.replace(cfg, checkpoint_dir=str(run), checkpoint_every=2), out=io.StringIO(), progress=False
+    )
+    model = sk.models.GPTConfig.preset("tiny").model()
+    want = sk.generate(model, trained["state"].params, [list(b"def ")], 10)[0]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        flags = ["--max-new-tokens", "10", "--prompts", str(tmp_path / "p.jsonl")]
+        (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "def "}) + "\n")
+        assert main(["generate", "--model", "tiny", "--checkpoint-dir", str(run), *flags]) == 0
+    assert json.loads(out.getvalue().splitlines()[0])["tokens"] == want

@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit.core.errors import InputError, LayoutError, short_repr
+from shardkit.core.inputs import vocab_size
 from shardkit.core.mesh import Layout, as_layout
 from shardkit.core.partition import constrain, named, specs_for, use_sharding
 from shardkit.core.rules import Rules, default_rules, resolve
@@ -251,6 +252,7 @@ class Generator:
         self.decoder = model.decoder or recompute_decoder(
             lambda p, x: model.apply(p, x, None), model.info.get("max_seq")
         )
+        self.vocab = vocab_size(model.abstract_params(), model.axes)
         self.placement = Placement.of(layout, rules)
         if self.placement.mesh is None:
             self.params = _one_device(params)
@@ -276,6 +278,12 @@ class Generator:
                 raise InputError(f"generate: prompt {i} is empty; a prompt needs at least 1 token (e.g. a BOS id).")
             if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
                 raise InputError(f"generate: prompt {i} must be a list of token ids, got {short_repr(prompt)}.")
+            if self.vocab is not None and ((ids < 0) | (ids >= self.vocab)).any():
+                bad = int(ids[(ids < 0) | (ids >= self.vocab)][0])
+                raise InputError(
+                    f"generate: prompt {i} holds token id {bad}, outside the model's vocabulary [0, {self.vocab}). "
+                    "Fix: encode the prompt with the checkpoint's own tokenizer."
+                )
             limit = self.decoder.max_seq
             if limit is not None and len(ids) + max_new_tokens > limit:
                 raise InputError(
