@@ -412,19 +412,31 @@ def zero_specs(param_specs: Any, abstract_params: Any, mesh_shape: Mapping[str, 
 
 def follow_params(opt_state: Any, params: Any, param_specs: Any) -> Any:
     """Specs for an optax state: subtrees shaped like the params (moments) follow them; the rest
-    (step counters, scalars) is replicated."""
+    (step counters, scalars) is replicated. A subtree with ``optax.MaskedNode`` where a frozen
+    parameter would be (``optax.multi_transform``: LoRA's adapters on a frozen base) follows
+    the params it holds."""
     params_def = jax.tree.structure(params)
+    masked = lambda x: isinstance(x, optax.MaskedNode)
 
     def is_param_like(x: Any) -> bool:
         try:
-            return jax.tree.structure(x) == params_def and jax.tree.all(  # type: ignore[operator]
-                jax.tree.map(lambda a, b: getattr(a, "shape", None) == b.shape, x, params)
+            if jax.tree.structure(x, is_leaf=masked) != params_def:  # type: ignore[operator]
+                return False
+            return all(
+                masked(a) or getattr(a, "shape", None) == b.shape
+                for a, b in zip(jax.tree.leaves(x, is_leaf=masked), jax.tree.leaves(params), strict=True)
             )
         except (ValueError, TypeError):
             return False
 
+    def follow(sub: Any) -> Any:
+        leaves = jax.tree.leaves(sub, is_leaf=masked)
+        specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        chosen = [a if masked(a) else spec for a, spec in zip(leaves, specs, strict=True)]
+        return jax.tree.unflatten(jax.tree.structure(sub, is_leaf=masked), chosen)
+
     return jax.tree.map(
-        lambda sub: param_specs if is_param_like(sub) else jax.tree.map(lambda _: PartitionSpec(), sub),
+        lambda sub: follow(sub) if is_param_like(sub) else jax.tree.map(lambda _: PartitionSpec(), sub),
         opt_state,
         is_leaf=is_param_like,
     )

@@ -30,6 +30,7 @@ from shardkit.core.partition import constrain, constrain_to, current_rules, free
 from shardkit.core.rules import resolve
 from shardkit.models.dropout import dropout
 from shardkit.models.kv_cache import KV_NAMES, Decoder, pick_rows, write_rows
+from shardkit.models.lora import TARGETS, LoRA, is_adapter
 from shardkit.models.model import Model
 from shardkit.models.nnx_adapter import from_nnx
 from shardkit.models.rope import RopeScaling, angles, inverse_frequencies
@@ -121,6 +122,7 @@ class GPTConfig:
     capacity_factor: float = 1.25
     aux_loss_weight: float = 0.01
     moe_dropless: bool = False  # every expert has room for every token: no token is dropped (Mixtral)
+    lora: LoRA | None = None  # low-rank adapters on a frozen base (shardkit.models.lora)
 
     def __post_init__(self) -> None:
         for name in ("vocab", "dim", "n_layers", "n_heads", "n_kv_heads", "mlp_dim", "max_seq"):
@@ -152,6 +154,13 @@ class GPTConfig:
             raise ModelError(f"GPTConfig: remat={self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ModelError(f"GPTConfig: dropout={self.dropout} must be in [0, 1).")
+        if self.lora is not None and not isinstance(self.lora, LoRA):
+            raise ModelError(f"GPTConfig: lora={short_repr(self.lora)} must be a shardkit.models.LoRA.")
+        if self.lora is not None and self.n_experts and self.lora.targets_any(("gate_proj", "up_proj", "down_proj")):
+            raise ModelError(
+                f"GPTConfig: LoRA on the MLP ({', '.join(self.lora.targets)}) of a mixture of experts is not "
+                "supported; target the attention's projections (q_proj, k_proj, v_proj, o_proj)."
+            )
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ModelError(
                 f"GPTConfig: top_k={self.top_k} experts per token out of n_experts={self.n_experts}; "
@@ -238,7 +247,8 @@ class GPTConfig:
             stacked_layers="blocks" if self.scan_layers else None,
             boundaries=False,  # GPT constrains its own activations and names its own scopes
         )
-        return dataclasses.replace(model, decoder=self.decoder())
+        trainable = is_adapter if self.lora is not None else None  # LoRA: the base stays as it is
+        return dataclasses.replace(model, decoder=self.decoder(), trainable=trainable)
 
     def decoder(self) -> Decoder:
         """How this GPT continues token rows with a KV cache (:mod:`shardkit.models.kv_cache`):
@@ -293,6 +303,40 @@ class GPTConfig:
 
 def _param(rngs: nnx.Rngs, init: Any, shape: tuple[int, ...], names: tuple[str | None, ...], dtype: str) -> nnx.Param:
     return nnx.Param(logical(init, names)(rngs.params(), shape, jnp.dtype(dtype)))
+
+
+def _adapters(
+    module: nnx.Module,
+    cfg: GPTConfig,
+    rngs: nnx.Rngs,
+    target: str,
+    inputs: tuple[tuple[int, ...], tuple[str | None, ...]],
+    outputs: tuple[tuple[int, ...], tuple[str | None, ...]],
+) -> None:
+    """``lora_<t>_a`` (inputs..., r) and ``lora_<t>_b`` (r, outputs...) on ``module`` where
+    ``cfg.lora`` targets ``target`` (``"q_proj"``): A uniform in +-1/sqrt(fan-in) as peft draws
+    it, B zero; each named as its base weight's input and output dimensions."""
+    if cfg.lora is None or target not in cfg.lora.targets:
+        return
+    short, r, (in_shape, in_names), (out_shape, out_names) = TARGETS[target], cfg.lora.rank, inputs, outputs
+    fan_in = tuple(range(len(in_shape)))
+    a_init = nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=fan_in, out_axis=len(in_shape))
+    setattr(module, f"lora_{short}_a", _param(rngs, a_init, (*in_shape, r), (*in_names, None), cfg.param_dtype))
+    b_shape, b_names = (r, *out_shape), (None, *out_names)
+    setattr(module, f"lora_{short}_b", _param(rngs, nnx.initializers.zeros, b_shape, b_names, cfg.param_dtype))
+
+
+def _low_rank(module: nnx.Module, cfg: GPTConfig, short: str, x: jax.Array, spec: str) -> jax.Array | None:
+    """``(alpha / r) (x A) B`` of the adapter ``short`` on ``module``, or None without one.
+    ``spec``: the einsum of ``x`` with A to ``r`` (``"btd,dr->btr"``); B maps ``r`` to the
+    output dimensions."""
+    a = getattr(module, f"lora_{short}_a", None)
+    if a is None or cfg.lora is None:
+        return None
+    b = getattr(module, f"lora_{short}_b")[...].astype(x.dtype)
+    with jax.named_scope(f"lora_{short}"):
+        xa = jnp.einsum(spec, x, a[...].astype(x.dtype))  # (B, T, r)
+        return jnp.einsum("btr,r...->bt...", xa, b) * jnp.asarray(cfg.lora.scale, x.dtype)
 
 
 def gathered_along_seq(x: jax.Array) -> jax.Array:
@@ -558,6 +602,11 @@ class Attention(nnx.Module):
             ("heads", "kv", "embed"),
             p,
         )
+        embed = ((d,), ("embed",))
+        _adapters(self, cfg, rngs, "q_proj", embed, ((n, self.groups, k), ("kv_heads", None, "kv")))
+        _adapters(self, cfg, rngs, "k_proj", embed, ((n, k), ("kv_heads", "kv")))
+        _adapters(self, cfg, rngs, "v_proj", embed, ((n, k), ("kv_heads", "kv")))
+        _adapters(self, cfg, rngs, "o_proj", ((cfg.n_heads, k), ("heads", "kv")), embed)
         self.cfg = cfg
 
     def explicit(self, t: int) -> bool:
@@ -579,8 +628,11 @@ class Attention(nnx.Module):
             if self.cfg.qkv_bias:
                 qkv = qkv + self.bqkv[...].astype(x.dtype)
             qkv = constrain(qkv, ("batch", "seq", "kv_heads", None, "kv"))  # heads split, not the sequence
-        q = qkv[:, :, :, :g, :].reshape(b, t, -1, qkv.shape[-1])  # (B, T, H, K), head h -> kv head h // G
-        k, v = qkv[:, :, :, g, :], qkv[:, :, :, g + 1, :]  # (B, T, N, K) each
+        q, k, v = qkv[:, :, :, :g, :], qkv[:, :, :, g, :], qkv[:, :, :, g + 1, :]  # (B, T, N, G, K), (B, T, N, K)
+        if self.cfg.lora is not None:  # adapters added before the norms, as on Hugging Face's projections
+            deltas = [_low_rank(self, self.cfg, short, x, "btd,dr->btr") for short in "qkv"]
+            q, k, v = (y if delta is None else y + delta for y, delta in zip((q, k, v), deltas, strict=True))
+        q = q.reshape(b, t, -1, qkv.shape[-1])  # (B, T, H, K), head h -> kv head h // G
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
@@ -590,9 +642,10 @@ class Attention(nnx.Module):
         out = constrain(out, ("batch", "seq", "heads", "kv"))
         with jax.named_scope("out_proj"):
             w = self.wo[...].astype(out.dtype)
-            if unsplit("seq", "heads", "kv"):
-                return token_matmul(out, w, 2)  # (B, T, D)
-            return jnp.einsum("bthk,hkd->btd", out, w)
+            flat = unsplit("seq", "heads", "kv")
+            y = token_matmul(out, w, 2) if flat else jnp.einsum("bthk,hkd->btd", out, w)  # (B, T, D)
+            delta = _low_rank(self, self.cfg, "o", out, "bthk,hkr->btr")
+            return y if delta is None else y + delta
 
     def decode(
         self,
@@ -666,6 +719,11 @@ class SwiGLU(nnx.Module):
         self.w_gate_up = _param(rngs, gate_up_init, (d, 2, f), ("embed", None, "mlp"), p)
         self.w_down = _param(rngs, nnx.initializers.lecun_normal(), (f, d), ("mlp", "embed"), p)
         self.activation = MLP_ACTIVATIONS[cfg.mlp_activation]
+        embed, units = ((d,), ("embed",)), ((f,), ("mlp",))
+        _adapters(self, cfg, rngs, "gate_proj", embed, units)
+        _adapters(self, cfg, rngs, "up_proj", embed, units)
+        _adapters(self, cfg, rngs, "down_proj", units, embed)
+        self.cfg = cfg
 
     def __call__(self, x: jax.Array) -> jax.Array:
         with jax.named_scope("gate_up_proj"):
@@ -674,12 +732,19 @@ class SwiGLU(nnx.Module):
             flat = unsplit("seq", "mlp")
             gate_up = token_matmul(x, w, 1) if flat else jnp.einsum("btd,dcf->btcf", x, w)  # (B, T, 2, F)
             gate_up = constrain(gate_up, ("batch", "seq", None, "mlp"))
-        h = self.activation(gate_up[:, :, 0]) * gate_up[:, :, 1]  # (B, T, F)
+        gate, up = gate_up[:, :, 0], gate_up[:, :, 1]  # (B, T, F) each
+        if self.cfg.lora is not None:
+            deltas = [_low_rank(self, self.cfg, short, x, "btd,dr->btr") for short in ("gate", "up")]
+            gate, up = (y if delta is None else y + delta for y, delta in zip((gate, up), deltas, strict=True))
+        h = self.activation(gate) * up  # (B, T, F)
         h = constrain(h, ("batch", "seq", "mlp"))
         with jax.named_scope("down_proj"):
             if unsplit("seq"):
-                return token_matmul(h, self.w_down[...].astype(x.dtype), 1)  # (B, T, D)
-            return h @ self.w_down[...].astype(x.dtype)
+                y = token_matmul(h, self.w_down[...].astype(x.dtype), 1)  # (B, T, D)
+            else:
+                y = h @ self.w_down[...].astype(x.dtype)
+            delta = _low_rank(self, self.cfg, "down", h, "btf,fr->btr")
+            return y if delta is None else y + delta
 
 
 class Block(nnx.Module):

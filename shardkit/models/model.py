@@ -56,6 +56,9 @@ class Model:
       decoder: how the model continues text with a cache
         (:class:`shardkit.models.kv_cache.Decoder`; shardkit's GPT keeps keys and values); None:
         generation runs ``apply`` over whole rows.
+      trainable: ``path -> bool`` for a model that trains some parameters only (LoRA adapters
+        on a frozen base, :mod:`shardkit.models.lora`): the trainer computes no gradient and
+        keeps no optimizer state for the others. None: every parameter trains.
     """
 
     init: Callable[[jax.Array], Params]
@@ -69,6 +72,16 @@ class Model:
     state_apply: Callable[[Params, Any, Any, jax.Array | None], tuple[Any, Any]] | None = None
     axis_names: tuple[str, ...] = ()
     decoder: Decoder | None = None
+    trainable: Callable[[str], bool] | None = None
+
+    def trainable_mask(self) -> Any:
+        """A tree of bools shaped as the parameters: which train (all of them without
+        :attr:`trainable`)."""
+        shapes = self.abstract_params()
+        trainable = self.trainable
+        if trainable is None:
+            return jax.tree.map(lambda _: True, shapes)
+        return jax.tree_util.tree_map_with_path(lambda p, _: bool(trainable(path_str(p))), shapes)
 
     def abstract_params(self, seed: int = 0) -> Params:
         """Shapes and dtypes of the parameters (``ShapeDtypeStruct`` tree); allocates nothing."""
@@ -242,3 +255,24 @@ def from_functions(
 ) -> Model:
     """A model from plain JAX functions, its parameters named by regex rules."""
     return annotate(Model(init, apply, None, name), patterns)
+
+
+def with_frozen_base(model: Model) -> Model:
+    """``model`` whose untrainable parameters (:attr:`Model.trainable`) pass through
+    ``stop_gradient``: autodiff computes no gradient for them (no weight-gradient matmul), only
+    the input gradients the trainable ones need. Unchanged when every parameter trains."""
+    if model.trainable is None:
+        return model
+    mask = model.trainable_mask()
+
+    def frozen(params: Params) -> Params:
+        return jax.tree.map(lambda p, train: p if train else jax.lax.stop_gradient(p), params, mask)
+
+    apply, state_apply = model.apply, model.state_apply
+    return dataclasses.replace(
+        model,
+        apply=lambda params, inputs, key: apply(frozen(params), inputs, key),
+        state_apply=None
+        if state_apply is None
+        else (lambda params, state, inputs, key: state_apply(frozen(params), state, inputs, key)),
+    )

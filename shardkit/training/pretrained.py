@@ -8,13 +8,17 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+import numpy as np
 import optax
 
+from shardkit.core.errors import InputError, short_repr
 from shardkit.core.mesh import Layout
 from shardkit.core.state import TrainState
-from shardkit.models import hf
+from shardkit.models import hf, peft
 from shardkit.models.generate import generate
 from shardkit.models.gpt import GPTConfig
+from shardkit.models.lora import LoRA
 from shardkit.training.train import Trainer
 
 _MODEL_FIELDS = (
@@ -41,6 +45,7 @@ class Pretrained:
     state: TrainState
     config: GPTConfig
     hf_config: Mapping[str, Any]
+    base: str | None = None  # the checkpoint's directory (an adapter records it as its base)
 
     def generate(
         self,
@@ -67,10 +72,18 @@ class Pretrained:
         chosen = self.state.params if params is None else params
         return generate(self.trainer.model, chosen, prompts, max_new_tokens, layout=layout, **sampling)
 
-    def save(self, params: Any, directory: str | os.PathLike[str]) -> pathlib.Path:
+    def save(self, params: Any, directory: str | os.PathLike[str], *, adapter_only: bool = False) -> pathlib.Path:
         """Write ``params`` (``state.params`` after training) back in the checkpoint's format,
-        keeping its ``config.json``'s other keys (see :func:`shardkit.models.hf.save_pretrained`)."""
-        return hf.save_pretrained(params, self.config, directory, base_config=self.hf_config)
+        keeping its ``config.json``'s other keys (see :func:`shardkit.models.hf.save_pretrained`).
+
+        With LoRA adapters: ``adapter_only=True`` writes them in peft's format
+        (``adapter_config.json``, ``adapter_model.safetensors``; peft loads them onto the base),
+        ``adapter_only=False`` a whole checkpoint with each adapter merged into its weight.
+        """
+        if adapter_only:
+            return peft.write_adapter(params, self.config, directory, base=self.base)
+        weights, cfg = peft.merged(params, self.config)
+        return hf.save_pretrained(weights, cfg, directory, base_config=self.hf_config)
 
 
 def from_pretrained(
@@ -79,6 +92,8 @@ def from_pretrained(
     optimizer: optax.GradientTransformation | None = None,
     *,
     seed: int = 0,
+    adapter: str | os.PathLike[str] | None = None,
+    lora: LoRA | None = None,
     **options: Any,
 ) -> Pretrained:
     """A trainer of shardkit's GPT and a state holding a Hugging Face checkpoint's weights: Llama 2/3.x,
@@ -91,7 +106,10 @@ def from_pretrained(
       path: a Hugging Face model directory (``config.json`` and ``*.safetensors``).
       layout: the mesh layout, as for :class:`~shardkit.Trainer`.
       optimizer: the optax transformation (default ``adamw(1e-5)``, a fine-tuning rate).
-      seed: the dropout seed.
+      seed: the dropout seed (and new adapters' initialization).
+      adapter: a directory peft saved a LoRA adapter of this checkpoint in: the adapter is read
+        onto the frozen base and trains on (:mod:`shardkit.models.peft`).
+      lora: new LoRA adapters (:class:`shardkit.models.LoRA`) on the frozen base: only they train.
       **options: GPTConfig fields that say how to train (``param_dtype``, ``dtype``,
         ``scan_layers``, ``scan_unroll``, ``remat``, ``dropout``, ``attention``, ``max_seq``,
         ``aux_loss_weight``; ``moe_dropless``/``capacity_factor`` to route as shardkit's MoE does);
@@ -105,10 +123,29 @@ def from_pretrained(
       >>> state, metrics = run.trainer.step(run.state, run.trainer.shard_batch(batch))  # doctest: +SKIP
       >>> run.save(state.params, "llama-tiny-tuned/")  # doctest: +SKIP
     """
+    if adapter is not None and lora is not None:
+        raise InputError("from_pretrained: give adapter= (one peft saved) or lora= (new adapters), not both.")
+    if lora is not None and not isinstance(lora, LoRA):
+        raise InputError(f"from_pretrained: lora={short_repr(lora)} must be a shardkit.models.LoRA.")
     hf_config = hf.read_config(path)
     model_options = {k: options.pop(k) for k in _MODEL_FIELDS if k in options}
-    cfg: GPTConfig = hf.gpt_config(hf_config, **model_options)
+    if adapter is not None:
+        lora = peft.read_lora(adapter)
+    cfg: GPTConfig = hf.gpt_config(hf_config, **model_options, lora=lora)
+    adapters, tensors = None, None
+    if adapter is not None:  # refused before a weight is read: the adapter fits this base or says why not
+        adapters, tensors = peft.adapter_views(cfg), hf.Tensors(adapter)
+        peft.check_adapter(tensors, adapters, path)
     model = cfg.model(name=str(hf_config.get("model_type", "GPT")))
     trainer = Trainer(model, optimizer if optimizer is not None else optax.adamw(1e-5), layout, **options)
-    params = hf.load_params(path, cfg, trainer.state_shardings.params)
-    return Pretrained(trainer, trainer.init(seed, params=params), cfg, hf_config)
+    base_shardings, adapter_shardings = peft.split_adapters(trainer.state_shardings.params)
+    params = hf.load_params(path, dataclasses.replace(cfg, lora=None), base_shardings)
+    if lora is not None:
+        if adapters is not None and tensors is not None:
+            dtype = np.dtype(cfg.param_dtype)
+            new = hf.read_sharded(tensors, adapters, adapter_shardings, lambda _: dtype)
+        else:  # B is zero: the model starts as the base computes
+            init = jax.jit(lambda key: peft.split_adapters(model.init(key))[1], out_shardings=adapter_shardings)
+            new = init(jax.random.split(jax.random.key(seed))[0])
+        params = peft.join_adapters(params, new)
+    return Pretrained(trainer, trainer.init(seed, params=params), cfg, hf_config, str(path))

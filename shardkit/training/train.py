@@ -33,7 +33,7 @@ from shardkit.core.precision import Precision, as_precision
 from shardkit.core.rules import RulesLike, as_rules, default_rules, tensor_sequence_parallel
 from shardkit.core.sharding import ShardingPlan, plan_sharding, unnamed_model_note
 from shardkit.core.state import TrainState
-from shardkit.models.model import Model
+from shardkit.models.model import Model, with_frozen_base
 from shardkit.parallel.schedule import Schedule
 from shardkit.runtime.host_allocator import keep_heaps, temp_heap_options
 from shardkit.runtime.xla_flags import step_compiler_options
@@ -170,6 +170,12 @@ class Trainer:
                 "(0: off). Stage 3 is the fsdp axis of the layout (e.g. 'fsdp=8')."
             )
         check_fsdp_min_size(fsdp_min_size)
+        if model.trainable is not None:  # adapters on a frozen base: no gradient, no optimizer state for it
+            labels = jax.tree.map(lambda train: "train" if train else "frozen", model.trainable_mask())
+            if "train" not in jax.tree.leaves(labels):
+                raise ModelError(f"Model {model.name} marks no parameter trainable; nothing would train.")
+            optimizer = optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
+            model = with_frozen_base(model)
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.precision, self.microbatches, self.nonfinite = as_precision(precision), microbatches, nonfinite
         self.max_skips, self.skipped_in_a_row = max_skips, 0
