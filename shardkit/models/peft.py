@@ -160,7 +160,8 @@ def check_adapter(tensors: Any, views: Mapping[Any, Any], base: str | os.PathLik
     extra = sorted(tensors.names - set(needed))
     if extra:
         raise CheckpointError(
-            f"{tensors.directory} has {len(extra)} tensors its target_modules do not explain, e.g. {extra[:2]}."
+            f"{tensors.directory} has {len(extra)} tensors its target_modules do not explain for {base}, e.g. "
+            f"{extra[:2]}: an adapter of another base model (more layers, other modules)."
         )
 
 

@@ -1,0 +1,212 @@
+"""LoRA (shardkit.models.lora, shardkit.models.peft): adapters peft saved load onto their base
+with peft's logits; adapters shardkit writes are peft's tensors and config; a LoRA run trains
+the adapters only (the base bit for bit as it was, optimizer state for the adapters alone, no
+weight gradient of the base computed) and equals one device under a hybrid layout; bad
+adapters and settings are refused by name."""
+
+import functools
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from safetensors.numpy import load_file
+
+import shardkit as sk
+from shardkit.core.errors import CheckpointError, InputError, ModelError
+from shardkit.models.lora import LoRA
+from shardkit.models.peft import split_adapters
+
+REFERENCE = pathlib.Path(__file__).parent / "fixtures" / "hf_reference"
+TOKENS = np.load(REFERENCE / "tokens.npy").astype(np.int32)
+ONE = dict(layout="data=1", devices=jax.devices()[:1])
+TARGETS = ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
+
+
+def logits(run, params=None):
+    return np.asarray(run.trainer.model.apply(run.state.params if params is None else params, TOKENS, None))
+
+
+@pytest.mark.parametrize("layout", ["data=1", "data=2,fsdp=2,tensor=2"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_an_adapter_peft_saved_gives_peft_s_logits(family, layout):
+    kwargs = ONE if layout == "data=1" else dict(layout=layout)
+    run = sk.from_pretrained(REFERENCE / family, adapter=REFERENCE / "lora" / family, **kwargs)
+    want = np.load(REFERENCE / "lora" / family / "reference_logits.npy")
+    np.testing.assert_allclose(logits(run), want, atol=2e-6, rtol=0)
+    base = np.load(REFERENCE / family / "reference_logits.npy")
+    assert np.abs(base - want).max() > 0.1  # the adapter changes the output: the test can fail
+
+
+def test_an_adapter_written_back_is_peft_s_own_tensors_and_settings(tmp_path):
+    source = REFERENCE / "lora" / "qwen3"
+    run = sk.from_pretrained(REFERENCE / "qwen3", adapter=source, **ONE)
+    out = run.save(run.state.params, tmp_path / "adapter", adapter_only=True)
+    theirs, ours = load_file(source / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    mine, peft_s = (json.loads((d / "adapter_config.json").read_text()) for d in (out, source))
+    for key in ("r", "lora_alpha", "peft_type", "bias", "task_type"):
+        assert mine[key] == peft_s[key], key
+    assert sorted(mine["target_modules"]) == sorted(peft_s["target_modules"])
+    assert mine["base_model_name_or_path"] == str(REFERENCE / "qwen3")
+
+
+def test_merged_weights_compute_what_base_and_adapter_compute(tmp_path):
+    run = sk.from_pretrained(REFERENCE / "llama3", adapter=REFERENCE / "lora" / "llama3", **ONE)
+    merged = sk.from_pretrained(run.save(run.state.params, tmp_path / "merged"), **ONE)
+    assert merged.config.lora is None and not any("lora" in k for k in merged.state.params["blocks"]["attn"])
+    np.testing.assert_allclose(logits(merged), logits(run), atol=2e-6, rtol=0)
+
+
+def test_new_adapters_start_as_the_base_and_train_alone():
+    run = sk.from_pretrained(REFERENCE / "llama3", lora=LoRA(rank=4, alpha=8, targets=TARGETS), **ONE)
+    np.testing.assert_allclose(logits(run), np.load(REFERENCE / "llama3" / "reference_logits.npy"), atol=2e-6)
+    base_before, adapters_before = split_adapters(jax.device_get(run.state.params))
+    state = run.state
+    data = sk.TextDataset.builtin()
+    for step in range(2):
+        state, metrics = run.trainer.step(state, run.trainer.shard_batch(data.batch(step, 8, 32)))
+        assert bool(metrics["finite"])
+    base_after, adapters_after = split_adapters(jax.device_get(state.params))
+    jax.tree.map(np.testing.assert_array_equal, base_after, base_before)  # the base, bit for bit
+    assert not np.array_equal(
+        adapters_after["blocks"]["attn"]["lora_q_b"], adapters_before["blocks"]["attn"]["lora_q_b"]
+    )
+
+
+# -- LoRA under a layout, against one device computed without the trainer ---------------------
+
+CFG = sk.models.GPTConfig.preset("tiny", lora=LoRA(rank=4, alpha=8, targets=TARGETS))
+LR, STEPS = 1e-2, 3
+
+
+@functools.cache
+def one_device_lora() -> list[float]:
+    """Plain JAX + optax on one device: the GPT's forward, the gradient of the adapters alone."""
+    model = CFG.model()
+    params = jax.device_put(model.init(jax.random.split(jax.random.key(0))[0]), jax.devices()[0])
+    base, adapters = split_adapters(params)
+    from shardkit.models.peft import join_adapters
+
+    def loss(adapters, batch):
+        tokens = batch["tokens"]
+        out = model.apply(join_adapters(base, adapters), tokens[:, :-1], None)
+        return optax.softmax_cross_entropy_with_integer_labels(out, tokens[:, 1:]).mean()
+
+    tx = optax.adamw(LR)
+    opt_state, losses = tx.init(adapters), []
+    data = sk.TextDataset.builtin()
+    for step in range(STEPS):
+        value, grads = jax.value_and_grad(loss)(adapters, data.batch(step, 8, 32))
+        updates, opt_state = tx.update(grads, opt_state, adapters)
+        adapters = optax.apply_updates(adapters, updates)
+        losses.append(float(value))
+    return losses
+
+
+@pytest.mark.parametrize("layout", ["data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2"])
+def test_a_lora_run_equals_one_device(layout):
+    trainer = sk.Trainer(CFG.model(), optax.adamw(LR), layout)
+    state, losses, data = trainer.init(0), [], sk.TextDataset.builtin()
+    for step in range(STEPS):
+        state, metrics = trainer.step(state, trainer.shard_batch(data.batch(step, 8, 32)))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, one_device_lora(), rtol=1e-5)
+    # Adapters split as their base weights: B of q over tensor with the kv heads, A of o too.
+    specs = trainer.state_shardings.params["blocks"]
+    assert "tensor" in str(specs["attn"]["lora_q_b"].spec) and "tensor" in str(specs["attn"]["lora_o_a"].spec)
+    assert "fsdp" in str(specs["attn"]["lora_q_a"].spec) and "tensor" in str(specs["mlp"]["lora_down_a"].spec)
+
+
+def test_the_optimizer_holds_state_for_the_adapters_only_and_no_base_gradient_is_computed():
+    batch = {"tokens": jax.ShapeDtypeStruct((8, 33), jnp.int32)}
+    lora = sk.Trainer(CFG.model(), optax.adamw(LR), "data=2,fsdp=2,tensor=2")
+    full = sk.Trainer(sk.models.GPTConfig.preset("tiny").model(), optax.adamw(LR), "data=2,fsdp=2,tensor=2")
+    lora_report, full_report = lora.report(batch), full.report(batch)
+    abstract, shardings = lora.abstract_state().params, lora.state_shardings.params
+    _, adapter_abstract = split_adapters(abstract)
+    _, adapter_shardings = split_adapters(shardings)
+    per_device = sum(
+        int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
+        for a, s in zip(jax.tree.leaves(adapter_abstract), jax.tree.leaves(adapter_shardings), strict=True)
+    )
+    moments = 2 * per_device  # adamw's mu and nu of each adapter, split as the adapter
+    assert moments <= lora_report.memory.optimizer <= moments + 64  # + the step counters
+    assert lora_report.memory.optimizer < 0.2 * full_report.memory.optimizer
+    # No weight gradient of the frozen base: a third of a full step's matmul FLOPs is gone.
+    assert lora_report.flops_per_device < 0.8 * full_report.flops_per_device
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def copy_adapter(tmp_path, family="llama3", **changes):
+    out = tmp_path / "adapter"
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(REFERENCE / "lora" / family, out)
+    config = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+    return out
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: LoRA(rank=0), ModelError, "rank=0"),
+        (lambda: LoRA(rank=-2), ModelError, "rank=-2"),
+        (lambda: LoRA(targets=("q_proj", "qkv")), ModelError, r"\['qkv'\] not among"),
+        (lambda: LoRA(alpha=0), ModelError, "alpha=0"),
+        (lambda: sk.models.GPTConfig.preset("tiny-moe", lora=LoRA(targets=("up_proj",))), ModelError, "mixture"),
+    ],
+    ids=["rank-zero", "rank-negative", "unknown-target", "alpha-zero", "moe-mlp"],
+)
+def test_bad_settings_are_refused_by_name(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(use_dora=True), "use_dora=True is not supported"),
+        (dict(rank_pattern={"q_proj": 4}), "rank_pattern"),
+        (dict(target_modules=["q_proj", "wqkv"]), r"\['wqkv'\] not among"),
+        (dict(bias="all"), "bias='all'"),
+        (dict(r=4), r"has shape \(8, 64\); .* implies \(4, 64\)"),
+    ],
+    ids=["dora", "rank-pattern", "unknown-target", "bias", "other-rank"],
+)
+def test_an_adapter_shardkit_cannot_honour_is_refused_by_name(tmp_path, changes, message):
+    with pytest.raises(CheckpointError, match=message):
+        sk.from_pretrained(REFERENCE / "llama3", adapter=copy_adapter(tmp_path, **changes), **ONE)
+
+
+def test_an_adapter_of_another_base_is_refused_before_any_weight_is_read(tmp_path):
+    from safetensors.numpy import save_file
+
+    tensors = load_file(REFERENCE / "lora" / "llama3" / "adapter_model.safetensors")
+    narrow = copy_adapter(tmp_path)  # as a base of width 32 would have it
+    save_file(
+        {k: v[:, :32] if "lora_A" in k and "o_proj" not in k else v for k, v in tensors.items()},
+        str(narrow / "adapter_model.safetensors"),
+    )
+    with pytest.raises(CheckpointError, match=r"shape \(8, 32\); .* another base model"):
+        sk.from_pretrained(REFERENCE / "llama3", adapter=narrow, **ONE)
+    deeper = tmp_path / "deeper"  # as a base of three layers would have it
+    shutil.copytree(REFERENCE / "lora" / "llama3", deeper)
+    extra = {k.replace("layers.1.", "layers.2."): v for k, v in tensors.items() if "layers.1." in k}
+    save_file({**tensors, **extra}, str(deeper / "adapter_model.safetensors"))
+    with pytest.raises(CheckpointError, match="another base model"):
+        sk.from_pretrained(REFERENCE / "llama3", adapter=deeper, **ONE)
+    broken = copy_adapter(tmp_path / "b")
+    (broken / "adapter_config.json").write_text('{"r": 8,')
+    with pytest.raises(CheckpointError, match="is not JSON"):
+        sk.from_pretrained(REFERENCE / "llama3", adapter=broken, **ONE)
+    with pytest.raises(InputError, match="not both"):
+        sk.from_pretrained(REFERENCE / "llama3", adapter=broken, lora=LoRA(), **ONE)
