@@ -162,6 +162,16 @@ def train_config(text: str, *overrides: str) -> Callable[[pathlib.Path], object]
 
 CLI_CASES = [
     Case("cli-layout-misspelt-axis", train_flags("--layout", "dta=8"), r"dta.*Did you mean 'data'"),
+    Case("cli-lora-rank-negative", train_flags("--lora-rank", "-1"), r"--lora-rank must be >= 1"),
+    Case("cli-lora-unknown-target", train_flags("--lora-rank", "4", "--lora-targets", "q_proj,attn"), r"\['attn'\]"),
+    Case("cli-adapter-without-base", train_flags("--adapter", "somewhere"), r"--adapter continues .* --init-from"),
+    Case(
+        "cli-adapter-not-peft",
+        lambda tmp: cli_error(*TRAIN[:1], "--init-from", str(REFERENCE / "llama3"), "--adapter", str(tmp), *TRAIN[3:])(
+            tmp
+        ),
+        r"has no adapter_config.json",
+    ),
     Case("cli-config-missing-file", train_flags("--config", "{tmp}/none.toml"), r"none.toml: no such file"),
     Case("cli-config-not-toml", train_config("lr = = 3"), r"is not valid TOML"),
     Case("cli-config-unknown-key", train_config("learning_rate = 0.1"), r"'learning_rate'.*not a setting"),

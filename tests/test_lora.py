@@ -210,3 +210,42 @@ def test_an_adapter_of_another_base_is_refused_before_any_weight_is_read(tmp_pat
         sk.from_pretrained(REFERENCE / "llama3", adapter=broken, **ONE)
     with pytest.raises(InputError, match="not both"):
         sk.from_pretrained(REFERENCE / "llama3", adapter=broken, lora=LoRA(), **ONE)
+
+
+# -- the command line --------------------------------------------------------------------------
+
+
+def test_the_command_trains_an_adapter_and_exports_it_from_the_run_alone(tmp_path):
+    """``train --init-from BASE --lora-rank 4``, then ``export --checkpoint-dir RUN --adapter-only``
+    with nothing else (the run records its base): peft's format, the trained adapter's logits; and
+    ``train --adapter`` continues it from where it was."""
+    import io
+
+    from shardkit.cli.commands import main
+    from shardkit.cli.run import train
+    from shardkit.core.config import TrainConfig
+
+    base = str(REFERENCE / "llama3")
+    small = dict(batch=8, seq=32, layout="data=2,fsdp=2,tensor=2", sample_tokens=0, lr=1e-2, warmup=0)
+    cfg = TrainConfig(
+        init_from=base,
+        lora_rank=4,
+        lora_targets="q_proj,v_proj,down_proj",
+        steps=2,
+        checkpoint_dir=str(tmp_path / "run"),
+        checkpoint_every=2,
+        **small,
+    )
+    trained = train(cfg, out=io.StringIO(), progress=False)
+    assert (
+        main(["export", "--checkpoint-dir", str(tmp_path / "run"), "--adapter-only", "--out", str(tmp_path / "a")]) == 0
+    )
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8.0, base)
+    assert sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    run = sk.from_pretrained(base, adapter=tmp_path / "a", **ONE)
+    np.testing.assert_allclose(logits(run), logits(run, jax.device_get(trained["state"].params)), atol=2e-6)
+    assert np.abs(logits(run) - np.load(REFERENCE / "llama3" / "reference_logits.npy")).max() > 1e-3  # it trained
+    resumed = TrainConfig(init_from=base, adapter=str(tmp_path / "a"), steps=1, **small)
+    again = train(resumed, out=io.StringIO(), progress=False)
+    assert again["losses"][0] < trained["losses"][0]  # it goes on from the adapter, not from zero

@@ -150,7 +150,7 @@ EXAMPLES = {
 
 
 # The flags that name a saved run's model and checkpoints (export, eval).
-SAVED_RUN = ("model", "init_from", "tokenizer", "checkpoint_dir")
+SAVED_RUN = ("model", "init_from", "lora_rank", "lora_alpha", "lora_targets", "adapter", "tokenizer", "checkpoint_dir")
 REQUIRED_CHECKPOINT = {"checkpoint_dir": {"required": True, "aliases": ("--checkpoint",)}}
 # The commands whose settings are one config dataclass, and so also come from --config FILE key=value.
 CONFIGS = {"train": TrainConfig, "dryrun": DryRunSettings, "inspect": DryRunSettings}
@@ -207,6 +207,11 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
     exp.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest that verifies)")
     exp.add_argument(
         "--format", choices=("hf",), default="hf", help="hf: Hugging Face safetensors, loadable as Llama/Qwen2"
+    )
+    exp.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="write the run's LoRA adapter alone, in peft's format (default: the weights, adapters merged)",
     )
 
 
@@ -378,7 +383,7 @@ def _train(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from shardkit.cli.saved_run import export_checkpoint
 
-    export_checkpoint(config_from(TrainConfig, args), args.out, args.step)
+    export_checkpoint(config_from(TrainConfig, args), args.out, args.step, args.adapter_only)
     return 0
 
 

@@ -85,19 +85,24 @@ def model_and_params(cfg: TrainConfig, step: int | None, layout: str | None) -> 
         return trainer.model, state.params
     if not cfg.init_from:
         raise InputError("generate needs --init-from DIR (a Hugging Face checkpoint) or --checkpoint-dir RUN.")
-    from shardkit.models import hf
+    from shardkit.cli.run_inputs import lora_of
+    from shardkit.models import hf, peft
     from shardkit.models.generate import Placement, check_layout
 
-    gpt = hf.gpt_config(hf.read_config(cfg.init_from))
+    gpt = hf.gpt_config(hf.read_config(cfg.init_from), lora=lora_of(cfg))  # --adapter: peft's LoRA on the base
     model = gpt.model(name=pathlib.Path(cfg.init_from).name)
     placement = Placement.of(layout)
     check_layout(gpt.decoder(), placement.mesh)  # before any weight is read
-    return model, hf.load_params(cfg.init_from, gpt, placement.params(model))
+    return model, peft.load_with_adapters(cfg.init_from, gpt, model, placement.params(model), cfg.seed, cfg.adapter)
 
 
 def run(args: Any, cfg: TrainConfig, out: TextIO | None = None) -> list[dict[str, Any]]:
     """The ``generate`` subcommand: returns one ``{"prompt", "completion", "tokens"}`` per prompt."""
     out = sys.stdout if out is None else out
+    if cfg.checkpoint_dir:  # the run's model as its checkpoint records it (its base's tokenizer and eos too)
+        from shardkit.cli.saved_run import with_recorded_model
+
+        cfg = with_recorded_model(cfg)
     texts = [args.prompt] if args.prompts is None else read_prompts(args.prompts)
     text = Text(tokenizer_path(cfg))
     prompts = [text.encode(t) for t in texts]

@@ -75,6 +75,16 @@ def run_fingerprint(cfg: TrainConfig, dataset: TextDataset) -> dict[str, dict[st
         data["packing"] = cfg.packing
     return {
         "data": data,
+        # What the run trains, so export, eval and generate need only --checkpoint-dir (not compared on resume:
+        # the parameters' tree is).
+        "model": {
+            "model": cfg.model,
+            "init_from": cfg.init_from,
+            "lora_rank": cfg.lora_rank,
+            "lora_alpha": cfg.lora_alpha,
+            "lora_targets": cfg.lora_targets,
+            "adapter": cfg.adapter,
+        },
         "schedule": {
             "optimizer": cfg.optimizer,
             "lr": cfg.lr,

@@ -11,20 +11,36 @@ from shardkit.core.errors import InputError, ModelError
 from shardkit.io import tokenizer
 from shardkit.io.data import TextDataset, builtin_corpus, load_text
 from shardkit.io.packed import PackedDataset, is_packed_source
-from shardkit.models import hf
+from shardkit.models import hf, peft
 from shardkit.models.gpt import GPTConfig
+from shardkit.models.lora import LoRA
 from shardkit.training.train import Trainer
+
+
+def lora_of(cfg: TrainConfig) -> LoRA | None:
+    """The run's LoRA: ``--adapter``'s (peft's config), ``--lora-rank``'s, or None."""
+    if cfg.adapter:
+        return peft.read_lora(cfg.adapter)
+    if not cfg.lora_rank:
+        return None
+    targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
+    try:
+        return LoRA(rank=cfg.lora_rank, alpha=cfg.lora_alpha or 2.0 * cfg.lora_rank, targets=targets)
+    except ModelError as e:
+        raise InputError(f"--lora-rank/--lora-alpha/--lora-targets: {e}") from e
 
 
 def model_of(cfg: TrainConfig, vocab: int | None = None) -> tuple[GPTConfig, str]:
     """The GPT of the run and its name: a preset's (its vocabulary the tokenizer's when ``vocab``
-    is given), or a Hugging Face checkpoint's (``--init-from``)."""
+    is given), or a Hugging Face checkpoint's (``--init-from``), with the run's LoRA adapters."""
+    lora = lora_of(cfg)
     if cfg.init_from:
-        return hf.gpt_config(hf.read_config(cfg.init_from), dropout=cfg.dropout, remat=cfg.remat), hf_name(cfg)
+        hf_cfg = hf.read_config(cfg.init_from)
+        return hf.gpt_config(hf_cfg, dropout=cfg.dropout, remat=cfg.remat, lora=lora), hf_name(cfg)
     if cfg.model not in GPTConfig.preset_names():
         raise ModelError(f"--model {cfg.model!r} is not a preset; choose one of {', '.join(GPTConfig.preset_names())}.")
     sizes = {"vocab": vocab} if vocab is not None else {}
-    return GPTConfig.preset(cfg.model, dropout=cfg.dropout, remat=cfg.remat, **sizes), f"GPT-{cfg.model}"
+    return GPTConfig.preset(cfg.model, dropout=cfg.dropout, remat=cfg.remat, lora=lora, **sizes), f"GPT-{cfg.model}"
 
 
 def tokenizer_path(cfg: TrainConfig) -> str | None:
@@ -59,7 +75,10 @@ def fresh_state(cfg: TrainConfig, trainer: Trainer) -> Any:
     if not cfg.init_from:
         return trainer.init(cfg.seed)
     gpt_cfg, _ = model_of(cfg)
-    return trainer.init(cfg.seed, params=hf.load_params(cfg.init_from, gpt_cfg, trainer.state_shardings.params))
+    params = peft.load_with_adapters(
+        cfg.init_from, gpt_cfg, trainer.model, trainer.state_shardings.params, cfg.seed, cfg.adapter
+    )
+    return trainer.init(cfg.seed, params=params)
 
 
 def saved_model(cfg: TrainConfig) -> tuple[GPTConfig, str]:

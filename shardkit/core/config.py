@@ -26,6 +26,10 @@ RESUMABLE_SETTINGS = frozenset(
     {
         "model",
         "init_from",
+        "lora_rank",
+        "lora_alpha",
+        "lora_targets",
+        "adapter",
         "tokenizer",
         "packing",
         "steps",
@@ -72,6 +76,22 @@ class TrainConfig:
         None,
         "a tokenizer.json (Hugging Face tokenizers) to cut the text with; a preset's vocabulary becomes its size. "
         "Default: byte tokens (vocab 256), or the --init-from checkpoint's own tokenizer.json",
+    )
+    lora_rank: int = setting(
+        0,
+        "train LoRA adapters of this rank on a frozen base (no gradient, no optimizer state for the base); "
+        "0: every parameter trains",
+    )
+    lora_alpha: float = setting(0.0, "LoRA's alpha: the adapters' output is scaled by alpha / rank (0: 2 x rank)")
+    lora_targets: str = setting(
+        "q_proj,v_proj",
+        "the projections LoRA adapts, comma-separated, as peft names them: q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj",
+    )
+    adapter: str | None = setting(
+        None,
+        "continue a LoRA adapter peft saved (adapter_config.json + adapter_model.safetensors) on --init-from; "
+        "its rank, alpha and targets are the adapter's",
     )
     layout: str = setting(
         "data=2,fsdp=2,tensor=2",
@@ -204,6 +224,12 @@ class TrainConfig:
         if self.zero not in (0, 1, 2):
             raise InputError(f"--zero {self.zero}: give a ZeRO stage 0, 1 or 2 (stage 3 is --layout fsdp=N).")
         check_fsdp_min_size(self.fsdp_min_size)
+        if self.lora_rank < 0:
+            raise InputError(f"--lora-rank must be >= 1 for LoRA (0: full fine-tuning), got {self.lora_rank}.")
+        if self.lora_alpha < 0:
+            raise InputError(f"--lora-alpha must be > 0 (0: twice the rank), got {self.lora_alpha}.")
+        if self.adapter is not None and not self.init_from:
+            raise InputError("--adapter continues a peft adapter on its base: give the base with --init-from DIR.")
         if self.profile_steps is not None:
             self.profiled_steps()  # a malformed range is refused here, before anything runs
         if self.tensorboard is not None:

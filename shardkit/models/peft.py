@@ -165,6 +165,44 @@ def check_adapter(tensors: Any, views: Mapping[Any, Any], base: str | os.PathLik
         )
 
 
+def load_with_adapters(
+    base: str | os.PathLike[str],
+    cfg: GPTConfig,
+    model: Any,
+    shardings: Any,
+    seed: int = 0,
+    adapter: str | os.PathLike[str] | None = None,
+) -> Any:
+    """A GPT's parameters, each born sharded: the base from its Hugging Face checkpoint, the
+    adapters (``cfg.lora``) from ``adapter`` (peft's directory) or new (A drawn from ``seed``,
+    B zero: the model starts as the base computes).
+
+    Args:
+      base: the base checkpoint's directory.
+      cfg: the GPT config, with ``lora`` when it has adapters.
+      model: ``cfg.model()`` (its ``init`` draws new adapters).
+      shardings: the parameters' shardings (``trainer.state_shardings.params``).
+      seed: as :meth:`shardkit.Trainer.init` takes it.
+      adapter: peft's adapter directory, or None.
+    """
+    from shardkit.models import hf
+
+    base_shardings, adapter_shardings = split_adapters(shardings)
+    if adapter is not None:  # refused before a weight is read: the adapter fits this base or says why not
+        views, tensors = adapter_views(cfg), hf.Tensors(adapter)
+        check_adapter(tensors, views, base)
+    params = hf.load_params(base, dataclasses.replace(cfg, lora=None), base_shardings)
+    if cfg.lora is None:
+        return params
+    if adapter is not None:
+        dtype = np.dtype(cfg.param_dtype)
+        new = hf.read_sharded(tensors, views, adapter_shardings, lambda _: dtype)
+    else:
+        init = jax.jit(lambda key: split_adapters(model.init(key))[1], out_shardings=adapter_shardings)
+        new = init(jax.random.split(jax.random.key(seed))[0])  # the key Trainer.init draws parameters from
+    return join_adapters(params, new)
+
+
 def split_adapters(tree: Any) -> tuple[Any, Any]:
     """A parameter tree (nested dicts) as ``(base, adapters)``: the ``lora_*`` leaves apart."""
     if not isinstance(tree, Mapping):

@@ -8,8 +8,6 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
-import numpy as np
 import optax
 
 from shardkit.core.errors import InputError, short_repr
@@ -132,20 +130,9 @@ def from_pretrained(
     if adapter is not None:
         lora = peft.read_lora(adapter)
     cfg: GPTConfig = hf.gpt_config(hf_config, **model_options, lora=lora)
-    adapters, tensors = None, None
-    if adapter is not None:  # refused before a weight is read: the adapter fits this base or says why not
-        adapters, tensors = peft.adapter_views(cfg), hf.Tensors(adapter)
-        peft.check_adapter(tensors, adapters, path)
+    if adapter is not None:  # before the trainer: an adapter of another base is refused first
+        peft.check_adapter(hf.Tensors(adapter), peft.adapter_views(cfg), path)
     model = cfg.model(name=str(hf_config.get("model_type", "GPT")))
     trainer = Trainer(model, optimizer if optimizer is not None else optax.adamw(1e-5), layout, **options)
-    base_shardings, adapter_shardings = peft.split_adapters(trainer.state_shardings.params)
-    params = hf.load_params(path, dataclasses.replace(cfg, lora=None), base_shardings)
-    if lora is not None:
-        if adapters is not None and tensors is not None:
-            dtype = np.dtype(cfg.param_dtype)
-            new = hf.read_sharded(tensors, adapters, adapter_shardings, lambda _: dtype)
-        else:  # B is zero: the model starts as the base computes
-            init = jax.jit(lambda key: peft.split_adapters(model.init(key))[1], out_shardings=adapter_shardings)
-            new = init(jax.random.split(jax.random.key(seed))[0])
-        params = peft.join_adapters(params, new)
+    params = peft.load_with_adapters(path, cfg, model, trainer.state_shardings.params, seed, adapter)
     return Pretrained(trainer, trainer.init(seed, params=params), cfg, hf_config, str(path))
