@@ -142,6 +142,21 @@ def _hf_copy(family: str, change: str) -> pathlib.Path:
     return out
 
 
+@functools.cache
+def broken_checkpoint(what: str) -> pathlib.Path:
+    """A copy of the llama3 reference checkpoint with ``config.json`` cut short (``"config"``)
+    or its ``model.safetensors`` cut to half (``"weights"``): a download that stopped."""
+    import shutil
+    import tempfile
+
+    out = pathlib.Path(tempfile.mkdtemp()) / f"llama3-{what}"
+    shutil.copytree(REFERENCE / "llama3", out)
+    file = out / ("config.json" if what == "config" else "model.safetensors")
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    return out
+
+
 def train_flags(*extra: str) -> Callable[[pathlib.Path], object]:
     return cli_error(*TRAIN, *extra)
 
@@ -427,6 +442,26 @@ API_CASES = [
         api(lambda: regression()[0].step(regression()[1], regression()[0].shard_batch(regression_batch(x_cols=5)))),
         r"does not take batch\['x'\] of shape \(8, 5\)",
         setup=regression,
+    ),
+    Case(
+        "api-hf-config-layers-negative",  # named as config.json names it, not as GPTConfig does
+        api(lambda: sk.from_pretrained(hf_copy("llama3", '{"num_hidden_layers": -2}'), layout="data=8")),
+        r"config.json: num_hidden_layers=-2 must be a positive integer",
+    ),
+    Case(
+        "api-hf-config-heads-not-grouping",
+        api(lambda: sk.from_pretrained(hf_copy("llama3", '{"num_attention_heads": 5}'), layout="data=8")),
+        r"num_attention_heads=5 must be a multiple of num_key_value_heads=2",
+    ),
+    Case(
+        "api-hf-config-not-json",
+        api(lambda: sk.from_pretrained(broken_checkpoint("config"), layout="data=8")),
+        r"config.json is not JSON \(.* at line \d+",
+    ),
+    Case(
+        "api-hf-safetensors-truncated",
+        api(lambda: sk.from_pretrained(broken_checkpoint("weights"), layout="data=8")),
+        r"model.safetensors is not a readable safetensors file .* truncated",
     ),
     Case("api-donated-state", lambda _tmp: donated()[0].step(donated()[1], donated()[2]), r"donated", setup=donated),
     Case("api-gpt-zero-layers", api(lambda: GPTConfig(n_layers=0)), r"n_layers"),

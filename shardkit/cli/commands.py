@@ -156,9 +156,17 @@ REQUIRED_CHECKPOINT = {"checkpoint_dir": {"required": True, "aliases": ("--check
 CONFIGS = {"train": TrainConfig, "dryrun": DryRunSettings, "inspect": DryRunSettings}
 
 
+# Short usage lines: an error message names the bad flag, --help lists them all (train has ~70).
+USAGE = {
+    "launch": "%(prog)s --nproc N [options] -- COMMAND ...",
+    **{name: "%(prog)s [options] [key=value ...]" for name in CONFIGS},
+}
+
+
 def _subcommand(sub: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
     """A subcommand whose help shows the defaults and ends with an example."""
-    return sub.add_parser(name, help=summary, epilog=EXAMPLES[name], formatter_class=DefaultsHelp)
+    usage = USAGE.get(name, "%(prog)s [options]")
+    return sub.add_parser(name, help=summary, epilog=EXAMPLES[name], formatter_class=DefaultsHelp, usage=usage)
 
 
 def _config_flags(p: argparse.ArgumentParser, cls: type, defaults: Mapping[str, Any]) -> None:

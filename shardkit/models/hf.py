@@ -79,6 +79,17 @@ def _numpy_dtype(name: str) -> np.dtype:
 # -- reading tensors ---------------------------------------------------------------------------
 
 
+def _opened(path: pathlib.Path, safe_open: Any) -> Any:
+    """``safe_open(path)``, or a :class:`CheckpointError` naming the file when it is not a whole
+    safetensors file (a truncated download, an interrupted copy)."""
+    try:
+        return safe_open(path, "np")
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for a broken file
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file ({e}); it may be truncated: download or copy it again."
+        ) from e
+
+
 class Tensors:
     """The tensors of a checkpoint directory (one ``model.safetensors`` or an index of shards),
     opened lazily: :meth:`read` reads one block of one tensor."""
@@ -89,7 +100,10 @@ class Tensors:
         self.directory = pathlib.Path(directory)
         index = self.directory / INDEX
         if index.exists():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index} is not an index of shards (JSON with a weight_map): {e}.") from e
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.directory.glob("*.safetensors"))
@@ -102,7 +116,7 @@ class Tensors:
                 f"{self.directory / INDEX} names {len(absent)} file(s) that are missing: {absent[:3]} "
                 f"(holding {len(names)} tensors, e.g. {names[:2]}). Download the whole checkpoint again."
             )
-        handles = {file: safe_open(self.directory / file, "np") for file in files}  # one memory map per file
+        handles = {file: _opened(self.directory / file, safe_open) for file in files}  # one memory map per file
         if not index.exists():
             weight_map = {name: file for file, handle in handles.items() for name in handle.keys()}  # noqa: SIM118 -- a safe_open handle is not iterable
         self._files = {name: handles[file] for name, file in weight_map.items()}
@@ -156,7 +170,14 @@ def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
     path = pathlib.Path(directory) / CONFIG
     if not path.is_file():
         raise CheckpointError(f"{directory} has no {CONFIG}: pass a Hugging Face model directory.")
-    config: dict[str, Any] = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{path} is not JSON ({e.msg} at line {e.lineno}, column {e.colno}): download or write it again."
+        ) from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(config).__name__}, not an object of settings.")
     return config
 
 

@@ -30,6 +30,7 @@ gemma3_text    Gemma 2 without soft caps, plus q/k norms and a rotary base per a
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -379,7 +380,41 @@ def gpt_config(hf: Mapping[str, Any], **overrides: Any) -> GPTConfig:
             moe_dropless=True,
             aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0,
         )
-    return GPTConfig(**{**fields, **overrides})
+    try:
+        return GPTConfig(**{**fields, **overrides})
+    except ModelError as e:  # said in config.json's words: the keys the user can see and fix
+        raise ModelError(in_config_words(str(e), set(overrides))) from e
+
+
+# GPTConfig's fields, as config.json names them (what an error about a checkpoint's config says).
+CONFIG_KEYS = {
+    "vocab": "vocab_size",
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "mlp_dim": "intermediate_size",
+    "max_seq": "max_position_embeddings",
+    "attn_head_dim": "head_dim",
+    "norm_eps": "rms_norm_eps",
+    "sliding_window": "sliding_window",
+    "top_k": "num_experts_per_tok",
+    "n_experts": "num_local_experts",
+}
+
+
+def in_config_words(message: str, overridden: set[str] = frozenset()) -> str:  # type: ignore[assignment]
+    """A GPTConfig error about a checkpoint, with each field named by its ``config.json`` key
+    (``n_layers=-2`` -> ``num_hidden_layers=-2``); fields the caller overrode keep their names.
+
+    Example:
+      >>> in_config_words("GPTConfig: n_layers=-2 must be a positive integer.")
+      'config.json: num_hidden_layers=-2 must be a positive integer.'
+    """
+    for field, key in CONFIG_KEYS.items():
+        if field not in overridden:
+            message = re.sub(rf"\b{field}=", f"{key}=", message)
+    return message.replace("GPTConfig:", "config.json:", 1)
 
 
 def _optional_float(value: Any) -> float | None:
