@@ -77,6 +77,19 @@ def check_host_batch(
                 "Fix: stack sequences into a 2-D array with one extra token per row (the last target)."
             )
         check_sequence_length(np.shape(tokens), max_seq)
+        for name in ("segments", "loss_mask"):  # per token, read beside the ids (packed rows, prompts)
+            if name in batch and np.shape(batch[name]) != np.shape(tokens):
+                raise InputError(
+                    f"batch[{name!r}] has shape {np.shape(batch[name])}; it gives one value per token, shaped as "
+                    f"batch['tokens'] {np.shape(tokens)}."
+                )
+        if "segments" in batch:
+            segments = np.asarray(batch["segments"])
+            if not np.issubdtype(segments.dtype, np.integer) or (segments.size and segments.min() < 0):
+                raise InputError(
+                    f"batch['segments'] must hold integers >= 0 (0: padding, 1..k: the document of each token), "
+                    f"got {segments.dtype} values from {segments.min() if segments.size else '-'}."
+                )
     for name, value in batch.items():
         dtype = getattr(value, "dtype", None)
         if dtype is None:

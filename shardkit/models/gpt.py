@@ -34,6 +34,7 @@ from shardkit.models.lora import TARGETS, LoRA, is_adapter
 from shardkit.models.model import Model
 from shardkit.models.nnx_adapter import from_nnx
 from shardkit.models.rope import RopeScaling, angles, inverse_frequencies
+from shardkit.models.segments import current_segments, positions_in_rows, same_document
 from shardkit.parallel.experts import MoE
 from shardkit.parallel.ring_attention import ring_attention
 
@@ -505,6 +506,7 @@ def explicit_attention(
     cfg: GPTConfig,
     sliding: bool | jax.Array,
     cached: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    documents: jax.Array | None = None,
 ) -> jax.Array:
     """Causal grouped-KV attention written out, for what ``jax.nn.dot_product_attention`` lacks:
     a query scale of the config's, soft-capped scores, a sliding window whose use may be a
@@ -520,6 +522,8 @@ def explicit_attention(
         ``(B, T)`` positions of the T tokens, consecutive in a row. A token sees the slots before
         its row's first new position. The cache is read, not written: the caller writes the new
         tokens' slots once, after every layer (no copy of the cache per token).
+      documents: ``(B, T)`` segments of packed rows (:mod:`shardkit.models.segments`): a token
+        sees the tokens of its own document only.
 
     Returns:
       ``(B, T, H, K)``; softmax in float32, as Hugging Face's eager attention computes it.
@@ -529,6 +533,8 @@ def explicit_attention(
     qg = q.reshape(b, t, n, h // n, d)  # (B, T, N, G, K)
     offsets = np.arange(t)
     own = _allowed(_scores(qg, k, cfg), offsets[:, None], offsets, cfg, sliding, t)  # (B, N, G, T, T)
+    if documents is not None:
+        own = jnp.where(same_document(documents, documents)[:, None, None], own, jnp.finfo(jnp.float32).min)
     if cached is None:
         weights = jax.nn.softmax(own, axis=-1).astype(v.dtype)
         return jnp.einsum("bngts,bsnk->btngk", weights, v).reshape(b, t, h, d)
@@ -683,19 +689,25 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, sliding: bool | jax.Array = False) -> jax.Array:
         t = x.shape[1]
         q, k, v = self.project(x)
-        q = constrain(layer_rotary(q, self.cfg, sliding), ("batch", "seq", "heads", "kv"))
-        k = constrain(layer_rotary(k, self.cfg, sliding), ("batch", "seq", "kv_heads", "kv"))
+        documents = current_segments()  # packed rows: attention within a document, positions from its start
+        positions = None if documents is None else positions_in_rows(documents)
+        q = constrain(layer_rotary(q, self.cfg, sliding, positions), ("batch", "seq", "heads", "kv"))
+        k = constrain(layer_rotary(k, self.cfg, sliding, positions), ("batch", "seq", "kv_heads", "kv"))
         with jax.named_scope("attention"):
             context = current_rules()
             ring = context is not None and dict(context[0].shape).get("sequence", 1) > 1
             explicit = self.explicit(t)
-            if ring and explicit:
+            if ring and (explicit or documents is not None):
                 raise ModelError(
                     "Ring attention (a sequence axis > 1) computes plain causal attention; this model's "
-                    "sliding window, soft cap or query scale needs a layout without the sequence axis."
+                    "sliding window, soft cap or query scale, or packed rows (batch['segments']), need a "
+                    "layout without the sequence axis."
                 )
             if explicit:
-                out = explicit_attention(q, k, v, self.cfg, sliding)  # (B, T, H, K)
+                out = explicit_attention(q, k, v, self.cfg, sliding, documents=documents)  # (B, T, H, K)
+            elif documents is not None:
+                mask = same_document(documents, documents)[:, None]  # (B, 1, T, T), causal on top
+                out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
             elif context is not None and ring:
                 out = ring_attention(q, k, v, *context)  # (B, T, H, K), the sequence split over devices
             else:
@@ -877,6 +889,13 @@ class GPT(nnx.Module):
     def embed_inputs(self, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """``(B, T)`` tokens -> ``(B, T, D)`` embeddings (with dropout when ``key`` is given)."""
         cfg = self.cfg
+        documents = current_segments()
+        if documents is not None and documents.shape != tokens.shape:
+            raise InputError(
+                f"batch['segments'] {tuple(documents.shape)} does not match the rows this GPT reads "
+                f"{tuple(tokens.shape)}: packed rows work in one forward over the batch, not through a pipeline's "
+                "microbatches. Fix: a layout without the stage axis, or rows of one document each."
+            )
         if tokens.shape[-1] > cfg.max_seq:  # however the model is wrapped (sk.from_nnx too), before any compile
             raise InputError(
                 f"GPT got sequences of {tokens.shape[-1]} tokens; it takes at most max_seq={cfg.max_seq} positions. "

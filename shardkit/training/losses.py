@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from shardkit.core.errors import InputError
+from shardkit.models.segments import packed_rows
 
 Batch = Mapping[str, jax.Array]
 # loss(forward, batch) -> (scalar loss, number of tokens/examples it averaged over)
@@ -20,20 +21,38 @@ LossFn = Callable[[Callable[[Any], Any], Batch], tuple[jax.Array, jax.Array]]
 
 
 def next_token_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``.
+    """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``, over the
+    predictions that count.
 
     Args:
       forward: ``(B, T) int tokens -> (B, T, V) logits`` (or ``(logits, aux_loss)``, added).
-      batch: ``{"tokens": (B, T + 1) int32}``.
+      batch: ``{"tokens": (B, T + 1) int32}``, and optionally, shaped as ``tokens``:
+        ``"segments"`` (int: 0 padding, 1..k the document of each token in its row; packed rows
+        attend within a document, :mod:`shardkit.models.segments`) and ``"loss_mask"`` (the
+        weight of predicting each token: 0 for a prompt, 1 for a completion).
 
     Returns:
-      ``(loss, number of predicted tokens)``.
+      ``(loss, number of scored tokens)``: the loss is the weighted mean over the predictions
+      whose target is not padding and lies in the same document as its input, times
+      ``loss_mask`` of the target; the count is the sum of those weights.
     """
     tokens = batch["tokens"]
-    out = forward(tokens[:, :-1])  # (B, T, V), or (logits, auxiliary loss) for mixtures of experts
+    segments, mask = batch.get("segments"), batch.get("loss_mask")
+    with packed_rows(None if segments is None else segments[:, :-1]):
+        out = forward(tokens[:, :-1])  # (B, T, V), or (logits, auxiliary loss) for mixtures of experts
     logits, aux = out if isinstance(out, tuple) else (out, 0.0)
     targets = tokens[:, 1:]  # (B, T)
-    return cross_entropy(logits, targets).mean() + aux, jnp.asarray(targets.size, jnp.int32)
+    losses = cross_entropy(logits, targets)
+    if segments is None and mask is None:
+        return losses.mean() + aux, jnp.asarray(targets.size, jnp.int32)
+    weight = jnp.ones(targets.shape, jnp.float32)
+    if segments is not None:  # never across a document boundary, never a padding target
+        weight = weight * ((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0))
+    if mask is not None:
+        weight = weight * mask[:, 1:].astype(jnp.float32)
+    weight = like(weight, losses)
+    scored = weight.sum()
+    return (losses * weight).sum() / jnp.maximum(scored, 1.0) + aux, scored.astype(jnp.int32)
 
 
 def like(x: jax.Array, reference: jax.Array) -> jax.Array:
