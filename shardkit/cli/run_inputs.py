@@ -10,6 +10,7 @@ from shardkit.core.config import TrainConfig
 from shardkit.core.errors import InputError, ModelError
 from shardkit.io import tokenizer
 from shardkit.io.data import TextDataset, builtin_corpus, load_text
+from shardkit.io.instructions import InstructionDataset, is_instruction_file
 from shardkit.io.packed import PackedDataset, is_packed_source
 from shardkit.models import hf, peft
 from shardkit.models.gpt import GPTConfig
@@ -52,10 +53,17 @@ def tokenizer_path(cfg: TrainConfig) -> str | None:
 
 
 def dataset_of(cfg: TrainConfig) -> TextDataset:
-    """The run's text: random windows of a text file or the built-in corpus, or a ``.jsonl``,
-    ``.npy`` or ``.bin`` corpus packed into rows by Grain (:mod:`shardkit.io.packed`)."""
+    """The run's text: random windows of a text file or the built-in corpus, a ``.jsonl``,
+    ``.npy`` or ``.bin`` corpus packed into rows by Grain (:mod:`shardkit.io.packed`), or
+    instruction data: a ``.jsonl`` of prompt/completion rows or chats, rendered by the
+    checkpoint's chat template, scored on the answers, packed by document
+    (:mod:`shardkit.io.instructions`)."""
     path = tokenizer_path(cfg)
     tok = tokenizer.load(path) if path else None
+    if cfg.data and is_instruction_file(cfg.data):  # prompt/completion rows or chats: masked, packed whole
+        if cfg.packing == "windows":
+            raise InputError(f"--packing windows reads text files; {cfg.data} is instruction data, packed by document.")
+        return InstructionDataset.from_file(cfg.data, tok, cfg.seed, checkpoint=cfg.init_from)
     if cfg.data and is_packed_source(cfg.data):
         if cfg.packing == "windows":
             raise InputError(f"--packing windows reads text files; {cfg.data} is read packed (--packing packed).")

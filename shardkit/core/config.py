@@ -121,7 +121,9 @@ class TrainConfig:
     data: str | None = setting(
         None,
         "a text file (or directory of *.txt) instead of the built-in corpus; or a corpus packed into rows by Grain: "
-        ".jsonl (a 'text' field per line), .npy or nanoGPT's .bin of token ids",
+        ".jsonl (a 'text' field per line), .npy or nanoGPT's .bin of token ids; or instruction data: .jsonl of "
+        "'prompt'/'completion' or 'messages' rows, rendered by the --init-from checkpoint's chat template, only the "
+        "answers scored, packed whole",
     )
     packing: str = setting(
         "auto",
