@@ -720,6 +720,122 @@ FINETUNE = [
 ]
 
 
+LORA = [
+    (
+        "markdown",
+        "# LoRA on a chat set, in peft's format\n\nA Qwen3-shaped checkpoint (per-head q/k norms, tied embeddings, a "
+        "ChatML chat template) is built here with NumPy. LoRA adapters train on a small chat set while the base stays "
+        "frozen, under a hybrid layout on 8 simulated devices; the adapter is saved in peft's format, loaded back with "
+        "`sk.from_pretrained(..., adapter=)`, and the answers before and after are compared.",
+    ),
+    (
+        "code",
+        "import shardkit as sk\n\nsk.simulate_devices(8)\n\n"
+        "import json\nimport pathlib\nimport shutil\n\n"
+        "import matplotlib.pyplot as plt\nimport numpy as np\nimport optax\n"
+        "from safetensors.numpy import save_file\n\n"
+        "from shardkit.io.instructions import InstructionDataset, template_of",
+    ),
+    (
+        "markdown",
+        "## A checkpoint with a chat template\nByte tokens (vocabulary 256), 2 layers, 4 query heads over 2 KV heads, "
+        "q/k RMSNorm per head; `tokenizer_config.json` carries the chat template transformers would render.",
+    ),
+    (
+        "code",
+        "ckpt = pathlib.Path('qwen3-small'); shutil.rmtree(ckpt, ignore_errors=True); ckpt.mkdir()\n"
+        "V, D, F, L, H, KV, K = 256, 96, 256, 2, 4, 2, 24\n"
+        "rng = np.random.default_rng(0)\n"
+        "def w(*shape):\n"
+        "    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)\n"
+        "ones = lambda n: np.ones(n, np.float32)\n"
+        "tensors = {'model.embed_tokens.weight': w(V, D), 'model.norm.weight': ones(D)}  # tied: no lm_head\n"
+        "for i in range(L):\n"
+        "    p = f'model.layers.{i}.'\n"
+        "    tensors |= {p + 'self_attn.q_proj.weight': w(H * K, D), p + 'self_attn.k_proj.weight': w(KV * K, D),\n"
+        "                p + 'self_attn.v_proj.weight': w(KV * K, D), p + 'self_attn.o_proj.weight': w(D, H * K),\n"
+        "                p + 'self_attn.q_norm.weight': ones(K), p + 'self_attn.k_norm.weight': ones(K),\n"
+        "                p + 'mlp.gate_proj.weight': w(F, D), p + 'mlp.up_proj.weight': w(F, D), p + 'mlp.down_proj.weight': w(D, F),\n"
+        "                p + 'input_layernorm.weight': ones(D), p + 'post_attention_layernorm.weight': ones(D)}\n"
+        "save_file(tensors, str(ckpt / 'model.safetensors'), metadata={'format': 'pt'})\n"
+        "config = dict(architectures=['Qwen3ForCausalLM'], model_type='qwen3', vocab_size=V, hidden_size=D, intermediate_size=F,\n"
+        "              num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=KV, head_dim=K, max_position_embeddings=256,\n"
+        "              rms_norm_eps=1e-6, hidden_act='silu', tie_word_embeddings=True,\n"
+        "              rope_parameters=dict(rope_type='default', rope_theta=1e6))\n"
+        "(ckpt / 'config.json').write_text(json.dumps(config, indent=2))\n"
+        "chatml = (\"{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\\\n' + m['content'] + '<|im_end|>\\\\n' }}\"\n"
+        "          \"{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\\\n' }}{% endif %}\")\n"
+        "(ckpt / 'tokenizer_config.json').write_text(json.dumps({'chat_template': chatml, 'eos_token': '<|im_end|>'}))\n"
+        "print(sorted(p.name for p in ckpt.iterdir()))",
+    ),
+    (
+        "markdown",
+        "## Chat data: rendered, scored on the answers, packed by document\nEach chat is rendered by the checkpoint's "
+        "template; only the assistant's tokens are scored (`loss_mask`), and chats are packed whole into rows of 256 "
+        "tokens (`segments`: attention stays within a chat, positions restart at each).",
+    ),
+    (
+        "code",
+        "capitals = {'France': 'Paris', 'Italy': 'Rome', 'Spain': 'Madrid', 'Japan': 'Tokyo', 'Egypt': 'Cairo',\n"
+        "            'Peru': 'Lima', 'Kenya': 'Nairobi', 'Canada': 'Ottawa'}\n"
+        "chats = [{'messages': [{'role': 'user', 'content': f'Capital of {c}?'}, {'role': 'assistant', 'content': f'{city}.'}]}\n"
+        "         for c, city in capitals.items()]\n"
+        "template = template_of(str(ckpt))\n"
+        "data = InstructionDataset.from_rows(chats * 16, seed=0, template=template)\n"
+        "batch = data.batch(0, 4, 255)\n"
+        "row, seg, mask = batch['tokens'][0], batch['segments'][0], batch['loss_mask'][0]\n"
+        "print(bytes(row[seg == 1].astype(np.uint8)).decode())\n"
+        "print('scored:', repr(bytes(row[(seg == 1) & (mask > 0)].astype(np.uint8)).decode()))\n"
+        "print('chats in the first row:', seg.max())",
+    ),
+    (
+        "markdown",
+        "## LoRA on the frozen base\nRank 16 on every projection; only the adapters have gradients and optimizer "
+        "state, each split as its base weight is.",
+    ),
+    (
+        "code",
+        "lora = sk.LoRA(rank=16, alpha=32, targets=('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj'))\n"
+        "run = sk.from_pretrained(ckpt, lora=lora, layout='data=2,fsdp=2,tensor=2', optimizer=optax.adamw(1e-2))\n"
+        "print('\\n'.join(line for line in run.trainer.format_sharding_table().splitlines() if 'lora' in line or 'parameter' in line))\n\n"
+        "def answer(params, country):\n"
+        "    prompt = template.render([{'role': 'user', 'content': f'Capital of {country}?'}], True, 'prompt').encode()\n"
+        "    new = run.generate([list(prompt)], 16, params=params)[0]\n"
+        "    return bytes(new).decode(errors='replace').split('<|im_end')[0]\n\n"
+        "before = {c: answer(run.state.params, c) for c in capitals}\n"
+        "print(before)",
+    ),
+    (
+        "code",
+        "state, losses = run.state, []\n"
+        "for step in range(100):\n"
+        "    state, metrics = run.trainer.step(state, run.trainer.shard_batch(data.batch(step, 4, 255)))\n"
+        "    losses.append(float(metrics['loss']))\n"
+        "print(f'loss {losses[0]:.3f} -> {losses[-1]:.3f}, {int(metrics[\"tokens\"])} answer tokens scored in the last step')\n"
+        "plt.figure(figsize=(6, 3)); plt.semilogy(losses); plt.xlabel('step'); plt.ylabel('loss on the answers')\n"
+        "plt.title('LoRA r=16, base frozen'); plt.tight_layout(); plt.show()",
+    ),
+    (
+        "markdown",
+        "## Save in peft's format, load back\n`adapter_only=True` writes `adapter_config.json` and "
+        "`adapter_model.safetensors` with peft's names; peft loads them onto the base, and so does `from_pretrained`.",
+    ),
+    (
+        "code",
+        "adapter = pathlib.Path('capitals-adapter'); shutil.rmtree(adapter, ignore_errors=True)\n"
+        "run.save(state.params, adapter, adapter_only=True)\n"
+        "print(sorted(p.name for p in adapter.iterdir()))\n"
+        "settings = json.loads((adapter / 'adapter_config.json').read_text())\n"
+        "print({k: settings[k] for k in ('r', 'lora_alpha', 'target_modules', 'base_model_name_or_path')})\n"
+        "tuned = sk.from_pretrained(ckpt, adapter=adapter, layout='data=2,fsdp=2,tensor=2')\n"
+        "after = {c: answer(tuned.state.params, c) for c in capitals}\n"
+        "for c in capitals:\n"
+        "    print(f'{c:7s} before {before[c]!r:28s} after {after[c]!r}')\n"
+        "assert after == {c: answer(state.params, c) for c in capitals}  # the loaded adapter is the trained one",
+    ),
+]
+
+
 NOTEBOOKS = {
     "01_quickstart.ipynb": QUICKSTART,
     "02_inspect_and_dryrun.ipynb": INSPECT,
@@ -728,6 +844,7 @@ NOTEBOOKS = {
     "05_plan.ipynb": PLAN,
     "06_bring_your_own_model.ipynb": BRING_YOUR_OWN,
     "07_finetune_pretrained.ipynb": FINETUNE,
+    "08_lora_chat.ipynb": LORA,
 }
 
 

@@ -92,7 +92,7 @@ class Template:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:  # what Hugging Face's templates call on bad input
-            raise TemplateError(message)
+            raise InputError(message)
 
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -116,7 +116,7 @@ class Template:
                     eos_token=self.eos,
                 )
             )
-        except TemplateError as e:
+        except (TemplateError, InputError) as e:  # InputError: the template's own raise_exception
             raise InputError(f"{row}: the {self.where} fails to render it ({e}).") from e
 
     def assistant_spans(self, messages: Sequence[Mapping[str, str]], row: str) -> tuple[str, list[tuple[int, int]]]:
