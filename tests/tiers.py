@@ -84,6 +84,21 @@ DEV_TESTS = {
         "test_a_layout_that_cannot_split_the_kv_heads_is_refused",
     },
     "test_zero.py": {"test_zero_stages_train_as_one_device_does"},
+    "test_lora.py": {
+        "test_an_adapter_peft_saved_gives_peft_s_logits",
+        "test_the_optimizer_holds_state_for_the_adapters_only_and_no_base_gradient_is_computed",
+        "test_bad_settings_are_refused_by_name",
+        "test_an_adapter_shardkit_cannot_honour_is_refused_by_name",
+    },
+    "test_packing.py": {
+        "test_a_packed_row_has_the_loss_of_its_documents_one_by_one",
+        "test_what_cannot_pack_is_refused_by_name",
+    },
+    "test_instructions.py": {
+        "test_a_chat_is_rendered_by_the_checkpoint_s_template_and_scores_the_assistant_turns",
+        "test_a_bad_row_is_refused_naming_it",
+    },
+    "test_zoo.py": {"test_a_users_experts_reduced_before_their_combine_are_named_with_the_cause"},
     "test_checkpoint.py": {
         "test_restore_onto_another_layout_continues_exactly",
         "test_restore_a_checkpoint_of_another_model",
