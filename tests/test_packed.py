@@ -53,6 +53,14 @@ def test_jsonl_documents_are_tokenized_joined_and_cut_into_rows(tmp_path, tokeni
         ds.batch(0, batch, seq)["tokens"].tolist()
         != PackedDataset.from_file(tmp_path / "c.jsonl", tok, seed=2).batch(0, batch, seq)["tokens"].tolist()
     )  # the seed shuffles
+    # Each row says where its documents begin: a new segment right after each end-of-text.
+    batch = ds.batch(3, batch, seq)
+    for row, segments in zip(batch["tokens"], batch["segments"], strict=True):
+        assert segments[0] == 1 and np.all(np.diff(segments) >= 0)
+        ends = np.flatnonzero(row[:-1] == eos)
+        assert np.array_equal(np.flatnonzero(np.diff(segments)), ends)  # a new document after each eos, only there
+    _, held_out = ds.split(0.25)
+    assert held_out.batch(0, 2, seq)["segments"].shape == (2, seq + 1)
 
 
 def test_each_process_reads_its_own_rows_of_one_global_order(tmp_path):

@@ -160,7 +160,14 @@ class TextDataset:
         mine = np.arange(batch_size)[
             rows if rows is not None else slice(process_index * per, (process_index + 1) * per)
         ]
-        return {"tokens": self.windows(step, batch_size, seq_len, mine)}
+        out = {"tokens": self.windows(step, batch_size, seq_len, mine)}
+        segments = self.window_segments(step, batch_size, seq_len, mine)
+        return out if segments is None else {**out, "segments": segments}
+
+    def window_segments(self, step: int, batch_size: int, seq_len: int, rows: np.ndarray) -> np.ndarray | None:
+        """The documents of :meth:`windows`' rows (``segments``, 1..k per row), where the corpus
+        knows its documents; None for plain text."""
+        return None
 
     def windows(self, step: int, batch_size: int, seq_len: int, rows: np.ndarray) -> np.ndarray:
         """``(len(rows), seq_len + 1)`` int32: rows ``rows`` of step ``step``'s global batch, each a

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -50,8 +51,9 @@ def _eos_id(tokenizer: Any) -> int | None:
     return None
 
 
-def _jsonl_tokens(path: pathlib.Path, tokenizer: Any, field: str) -> np.ndarray:
-    """Every document's tokens, joined (end-of-text between documents when the tokenizer has one)."""
+def _jsonl_tokens(path: pathlib.Path, tokenizer: Any, field: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every document's tokens, joined (end-of-text between documents when the tokenizer has one),
+    and each token's document (0, 1, ...; a separator belongs to the document it ends)."""
     texts = []
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -66,13 +68,15 @@ def _jsonl_tokens(path: pathlib.Path, tokenizer: Any, field: str) -> np.ndarray:
             texts.append(record[field])
     if not texts:
         raise InputError(f"--data {path}: no documents.")
-    if tokenizer is None:  # byte tokens; a blank line between documents
-        return np.frombuffer("\n\n".join(texts).encode("utf-8"), dtype=np.uint8).astype(np.int32)
-    eos = _eos_id(tokenizer)
-    pieces = [np.asarray(e.ids, dtype=np.int32) for e in tokenizer.encode_batch(texts)]
-    if eos is not None:
-        pieces = [np.append(p, np.int32(eos)) for p in pieces]
-    return np.concatenate(pieces)
+    if tokenizer is None:  # byte tokens; a blank line ends each document
+        pieces = [np.frombuffer((t + "\n\n").encode("utf-8"), dtype=np.uint8).astype(np.int32) for t in texts]
+    else:
+        eos = _eos_id(tokenizer)
+        pieces = [np.asarray(e.ids, dtype=np.int32) for e in tokenizer.encode_batch(texts)]
+        if eos is not None:
+            pieces = [np.append(p, np.int32(eos)) for p in pieces]
+    documents = np.repeat(np.arange(len(pieces), dtype=np.int32), [len(p) for p in pieces])
+    return np.concatenate(pieces), documents
 
 
 def _array_tokens(path: pathlib.Path) -> np.ndarray:
@@ -86,9 +90,18 @@ def _array_tokens(path: pathlib.Path) -> np.ndarray:
     return tokens
 
 
+@dataclasses.dataclass(frozen=True)
 class PackedDataset(TextDataset):
     """Token rows packed from a corpus and shuffled by Grain; batches by ``(seed, step)`` as
-    :class:`TextDataset`'s, so the two serve the same training loop."""
+    :class:`TextDataset`'s, so the two serve the same training loop.
+
+    Attributes:
+      documents: each token's document (a ``.jsonl`` corpus): batches then carry
+        ``"segments"``, so a row's documents never attend to each other
+        (:mod:`shardkit.models.segments`). None for token arrays, whose documents are unknown.
+    """
+
+    documents: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_file(
@@ -99,14 +112,18 @@ class PackedDataset(TextDataset):
         p = pathlib.Path(path)
         if not p.is_file():
             raise InputError(f"--data {p}: no such file.")
-        tokens = _jsonl_tokens(p, tokenizer, field) if p.suffix == ".jsonl" else _array_tokens(p)
+        documents = None
+        if p.suffix == ".jsonl":
+            tokens, documents = _jsonl_tokens(p, tokenizer, field)
+        else:
+            tokens = _array_tokens(p)
         if tokenizer is not None:
             vocab = tokenizer.get_vocab_size()
         elif p.suffix == ".jsonl":
             vocab = TextDataset.VOCAB
         else:
             vocab = int(tokens.max()) + 1  # streamed over a memory map: no copy
-        return cls(tokens, seed, vocab, tokenizer)
+        return cls(tokens, seed, vocab, tokenizer, documents=documents)
 
     def windows(self, step: int, batch_size: int, seq_len: int, rows: np.ndarray) -> np.ndarray:
         """Rows ``rows`` of step ``step``'s global batch: packed rows ``step * batch_size + r`` of
@@ -123,3 +140,27 @@ class PackedDataset(TextDataset):
             .map(lambda w: np.asarray(tokens[w * span : (w + 1) * span], dtype=np.int32))
         )
         return np.stack([packed[step * batch_size + int(r)] for r in rows])
+
+    def split(self, held_out: float = 0.05) -> tuple[TextDataset, TextDataset]:
+        """As :meth:`TextDataset.split`, each part keeping its tokens' documents."""
+        train, test = super().split(held_out)
+        if self.documents is None:
+            return train, test
+        cut = len(train.tokens)
+        return (
+            dataclasses.replace(self, tokens=train.tokens, documents=self.documents[:cut]),
+            dataclasses.replace(self, tokens=test.tokens, documents=self.documents[cut:]),
+        )
+
+    def window_segments(self, step: int, batch_size: int, seq_len: int, rows: np.ndarray) -> np.ndarray | None:
+        """Each row's documents numbered from 1 (a row may start inside a document: concatenate-
+        then-split cuts documents, and never lets one attend to another)."""
+        if self.documents is None:
+            return None
+        import grain
+
+        span = seq_len + 1
+        order = grain.MapDataset.range(len(self.tokens) // span).shuffle(seed=self.seed).repeat()
+        windows = [int(order[step * batch_size + int(r)]) for r in rows]
+        docs = np.stack([self.documents[w * span : (w + 1) * span] for w in windows])
+        return (docs - docs[:, :1] + 1).astype(np.int32)
