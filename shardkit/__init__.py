@@ -43,6 +43,7 @@ _WHERE = {
     "MESH_AXES": "core.mesh",
     "Layout": "core.mesh",
     "LoRA": "models.lora",
+    "with_lora": "models.lora",
     "Model": "models.model",
     "annotate": "models.model",
     "from_functions": "models.model",
@@ -126,4 +127,5 @@ __all__ = [
     "simulate_devices",
     "steps",
     "use_sharding",
+    "with_lora",
 ]

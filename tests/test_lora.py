@@ -249,3 +249,63 @@ def test_the_command_trains_an_adapter_and_exports_it_from_the_run_alone(tmp_pat
     resumed = TrainConfig(init_from=base, adapter=str(tmp_path / "a"), steps=1, **small)
     again = train(resumed, out=io.StringIO(), progress=False)
     assert again["losses"][0] < trained["losses"][0]  # it goes on from the adapter, not from zero
+
+
+# -- LoRA on a model written without shardkit --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, targets",
+    [("llama_style", r"self_attn/(q|v)_proj$|mlp/down$"), ("gemma_style", r"attn/(q|kv)_einsum$|mlp/up_proj$")],
+)
+def test_lora_on_a_users_nnx_model_trains_the_adapters_alone_as_one_device(name, targets):
+    """``sk.with_lora``: adapters on the zoo's ``nnx.Linear`` (Llama-style) and ``nnx.Einsum``
+    (Gemma-style, a stacked (2, K, D, H) k/v kernel) projections; the base bit for bit as it was,
+    optimizer state for the adapters only, and the losses of one device under a hybrid layout."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
+    from zoo import ZOO
+
+    entry = ZOO[name]
+    losses = {}
+    for layout in ("data=1", "data=2,fsdp=2,tensor=2"):
+        model = sk.with_lora(entry.make, targets, LoRA(rank=4, alpha=8))
+        devices = jax.devices()[:1] if layout == "data=1" else None
+        trainer = sk.Trainer(model, optax.adamw(1e-2), layout, loss=entry.loss, devices=devices)
+        state = trainer.init(0)
+        base_before = split_adapters(jax.device_get(state.params))[0]
+        seen = []
+        for step in range(3):
+            state, metrics = trainer.step(state, trainer.shard_batch(entry.batch(step)))
+            seen.append(float(metrics["loss"]))
+        losses[layout] = seen
+        base_after, adapters = split_adapters(jax.device_get(state.params))
+        jax.tree.map(np.testing.assert_array_equal, base_after, base_before)
+        assert any(np.abs(b).max() > 0 for b in jax.tree.leaves(adapters))  # B moved off zero
+    np.testing.assert_allclose(losses["data=2,fsdp=2,tensor=2"], losses["data=1"], rtol=2e-5)
+    assert losses["data=1"][-1] < losses["data=1"][0]
+    specs = trainer.state_shardings.params
+    flat = {
+        "/".join(str(getattr(k, "key", k)) for k in p): s for p, s in jax.tree_util.tree_flatten_with_path(specs)[0]
+    }
+    assert any("lora_b" in p and "tensor" in str(s.spec) for p, s in flat.items()), flat  # B split as its kernel's out
+    moments = sum(
+        int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize * 2
+        for p, a, s in zip(flat, jax.tree.leaves(trainer.abstract_state().params), jax.tree.leaves(specs), strict=True)
+        if "lora_" in p
+    )
+    report = trainer.report(
+        {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in entry.batch(0).items()}
+    )
+    assert moments <= report.memory.optimizer <= moments + 64
+
+
+def test_lora_targets_that_match_nothing_are_refused():
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
+    from zoo import ZOO
+
+    with pytest.raises(ModelError, match="match no nnx.Linear or nnx.Einsum"):
+        sk.with_lora(ZOO["llama_style"].make, r"wqkv$").abstract_params()
