@@ -160,14 +160,16 @@ class TextDataset:
         mine = np.arange(batch_size)[
             rows if rows is not None else slice(process_index * per, (process_index + 1) * per)
         ]
-        out = {"tokens": self.windows(step, batch_size, seq_len, mine)}
-        segments = self.window_segments(step, batch_size, seq_len, mine)
-        return out if segments is None else {**out, "segments": segments}
+        return {
+            "tokens": self.windows(step, batch_size, seq_len, mine),
+            **self.window_extras(step, batch_size, seq_len, mine),
+        }
 
-    def window_segments(self, step: int, batch_size: int, seq_len: int, rows: np.ndarray) -> np.ndarray | None:
-        """The documents of :meth:`windows`' rows (``segments``, 1..k per row), where the corpus
-        knows its documents; None for plain text."""
-        return None
+    def window_extras(self, step: int, batch_size: int, seq_len: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """What else :meth:`windows`' rows carry, shaped as their tokens: ``segments`` (the
+        documents of each row, 1..k) where the corpus knows its documents, ``loss_mask`` where
+        only some tokens are scored; none for plain text."""
+        return {}
 
     def windows(self, step: int, batch_size: int, seq_len: int, rows: np.ndarray) -> np.ndarray:
         """``(len(rows), seq_len + 1)`` int32: rows ``rows`` of step ``step``'s global batch, each a

@@ -255,31 +255,23 @@ class InstructionDataset(TextDataset):
             self._packed[seq_len] = tokens, segments, weights
         return self._packed[seq_len]
 
-    def batch(
-        self,
-        step: int,
-        batch_size: int,
-        seq_len: int,
-        process_index: int = 0,
-        process_count: int = 1,
-        *,
-        rows: slice | None = None,
-    ) -> dict[str, np.ndarray]:
-        """Rows of step ``step``'s global batch (all of them, or ``rows``): packed rows
-        ``step * batch_size + r`` of their per-epoch shuffle by the seed."""
+    def _rows(self, step: int, batch_size: int, seq_len: int, rows: np.ndarray) -> np.ndarray:
+        """The packed rows that rows ``rows`` of step ``step``'s global batch read: ``step *
+        batch_size + r`` of their per-epoch shuffle by the seed."""
         import grain  # imported when instruction data is read: the package imports without it
 
-        if batch_size < 1 or seq_len < 1 or step < 0:
-            raise InputError(
-                f"batch: step={step}, batch_size={batch_size}, seq_len={seq_len} must be >= 0, >= 1, >= 1."
-            )
-        tokens, segments, weights = self.packed(seq_len)
-        order = grain.MapDataset.range(len(tokens)).shuffle(seed=self.seed).repeat()
-        if rows is None:
-            per = batch_size // process_count
-            rows = slice(process_index * per, (process_index + 1) * per)
-        chosen = np.asarray([order[step * batch_size + r] for r in range(batch_size)[rows]], np.int64)
-        return {"tokens": tokens[chosen], "segments": segments[chosen], "loss_mask": weights[chosen]}
+        order = grain.MapDataset.range(len(self.packed(seq_len)[0])).shuffle(seed=self.seed).repeat()
+        return np.asarray([order[step * batch_size + int(r)] for r in rows], np.int64)
+
+    def windows(self, step: int, batch_size: int, seq_len: int, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` of step ``step``'s global batch: packed rows of whole documents."""
+        return self.packed(seq_len)[0][self._rows(step, batch_size, seq_len, rows)]
+
+    def window_extras(self, step: int, batch_size: int, seq_len: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """The same rows' ``segments`` (each document of a row, 1..k) and ``loss_mask`` (the answers)."""
+        _, segments, weights = self.packed(seq_len)
+        chosen = self._rows(step, batch_size, seq_len, rows)
+        return {"segments": segments[chosen], "loss_mask": weights[chosen]}
 
     def split(self, held_out: float = 0.05) -> tuple[TextDataset, TextDataset]:
         """``(train, held_out)``: the last ``held_out`` of the rows held out, whole."""

@@ -152,15 +152,15 @@ class PackedDataset(TextDataset):
             dataclasses.replace(self, tokens=test.tokens, documents=self.documents[cut:]),
         )
 
-    def window_segments(self, step: int, batch_size: int, seq_len: int, rows: np.ndarray) -> np.ndarray | None:
-        """Each row's documents numbered from 1 (a row may start inside a document: concatenate-
-        then-split cuts documents, and never lets one attend to another)."""
+    def window_extras(self, step: int, batch_size: int, seq_len: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """``segments``: each row's documents numbered from 1 (a row may start inside a document:
+        concatenate-then-split cuts documents, and never lets one attend to another)."""
         if self.documents is None:
-            return None
+            return {}
         import grain
 
         span = seq_len + 1
         order = grain.MapDataset.range(len(self.tokens) // span).shuffle(seed=self.seed).repeat()
         windows = [int(order[step * batch_size + int(r)]) for r in rows]
         docs = np.stack([self.documents[w * span : (w + 1) * span] for w in windows])
-        return (docs - docs[:, :1] + 1).astype(np.int32)
+        return {"segments": (docs - docs[:, :1] + 1).astype(np.int32)}

@@ -167,18 +167,25 @@ def check_dtypes(tensors: Tensors, names: Any) -> None:
 
 
 def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    path = pathlib.Path(directory) / CONFIG
+    """A checkpoint's ``config.json`` (a :class:`CheckpointError` naming what is wrong with it)."""
+    return read_settings(pathlib.Path(directory) / CONFIG, "pass a Hugging Face model directory")
+
+
+def read_settings(path: pathlib.Path, where: str) -> dict[str, Any]:
+    """A JSON object of settings from ``path``; a :class:`CheckpointError` when it is missing
+    (``where``: what to pass instead), not JSON, or not an object."""
     if not path.is_file():
-        raise CheckpointError(f"{directory} has no {CONFIG}: pass a Hugging Face model directory.")
+        raise CheckpointError(f"{path.parent} has no {path.name}: {where}.")
     try:
-        config = json.loads(path.read_text())
+        settings = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(
-            f"{path} is not JSON ({e.msg} at line {e.lineno}, column {e.colno}): download or write it again."
+            f"{path} is not JSON ({e.msg} at line {e.lineno}, column {e.colno}): it was not written whole; write or "
+            "download it again."
         ) from e
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(config).__name__}, not an object of settings.")
-    return config
+    if not isinstance(settings, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(settings).__name__}, not an object of settings.")
+    return settings
 
 
 def load_params(directory: str | os.PathLike[str], cfg: GPTConfig, shardings: Any) -> Any:

@@ -60,17 +60,10 @@ def read_lora(directory: str | os.PathLike[str]) -> LoRA:
     Raises:
       CheckpointError: no config, not JSON, not a LoRA, or a key shardkit cannot honour (named).
     """
+    from shardkit.models.hf import read_settings
+
     path = pathlib.Path(directory) / CONFIG
-    if not path.is_file():
-        raise CheckpointError(f"{directory} has no {CONFIG}: pass the directory peft's save_pretrained wrote.")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(
-            f"{path} is not JSON ({e.msg} at line {e.lineno}); the adapter was not saved whole."
-        ) from e
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} holds {type(config).__name__}, not a JSON object.")
+    config = read_settings(path, "pass the directory peft's save_pretrained wrote")
     if config.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{path}: peft_type {config['peft_type']!r}; shardkit reads LoRA adapters only.")
     for key, value in config.items():
