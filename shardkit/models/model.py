@@ -259,20 +259,31 @@ def from_functions(
 
 def with_frozen_base(model: Model) -> Model:
     """``model`` whose untrainable parameters (:attr:`Model.trainable`) pass through
-    ``stop_gradient``: autodiff computes no gradient for them (no weight-gradient matmul), only
-    the input gradients the trainable ones need. Unchanged when every parameter trains."""
-    if model.trainable is None:
+    ``stop_gradient`` wherever it reads them (``apply``, ``state_apply`` and a pipeline's stages):
+    autodiff computes no gradient for them (no weight-gradient matmul), only the input gradients
+    the trainable ones need. Unchanged when every parameter trains."""
+    trainable = model.trainable
+    if trainable is None:
         return model
-    mask = model.trainable_mask()
 
-    def frozen(params: Params) -> Params:
-        return jax.tree.map(lambda p, train: p if train else jax.lax.stop_gradient(p), params, mask)
+    def frozen(params: Params) -> Params:  # by path: a stage's slice of the tree is frozen alike
+        keep = lambda p, x: x if trainable(path_str(p)) else jax.lax.stop_gradient(x)
+        return jax.tree_util.tree_map_with_path(keep, params)
 
-    apply, state_apply = model.apply, model.state_apply
+    apply, state_apply, stages = model.apply, model.state_apply, model.stages
+    if stages is not None:
+        embed, body, head = stages.embed, stages.body, stages.head
+        stages = dataclasses.replace(
+            stages,
+            embed=lambda params, inputs, key: embed(frozen(params), inputs, key),
+            body=lambda params, x, key, first: body(frozen(params), x, key, first),
+            head=lambda params, x: head(frozen(params), x),
+        )
     return dataclasses.replace(
         model,
         apply=lambda params, inputs, key: apply(frozen(params), inputs, key),
         state_apply=None
         if state_apply is None
         else (lambda params, state, inputs, key: state_apply(frozen(params), state, inputs, key)),
+        stages=stages,
     )
