@@ -315,3 +315,23 @@ def test_lora_targets_that_match_nothing_are_refused():
 
     with pytest.raises(ModelError, match="match no nnx.Linear or nnx.Einsum"):
         sk.with_lora(ZOO["llama_style"].make, r"wqkv$").abstract_params()
+
+
+def test_lora_dropout_drops_the_adapters_input_in_training_alike_on_every_layout():
+    """peft's lora_dropout: the adapters' input dropped in training (the bits follow the rows, so
+    any layout draws the same); evaluating drops nothing."""
+    data = sk.TextDataset.builtin().batch(0, 8, 32)
+    results = {}
+    for rate in (0.0, 0.5):
+        cfg = sk.models.GPTConfig.preset("tiny", lora=LoRA(rank=4, alpha=8, targets=TARGETS, dropout=rate))
+        for layout in ("data=8", "data=2,fsdp=2,tensor=2"):
+            trainer = sk.Trainer(cfg.model(), optax.sgd(0.5), layout)
+            state = trainer.init(0)
+            state, _ = trainer.step(state, trainer.shard_batch(data))  # B moves off zero
+            state, metrics = trainer.step(state, trainer.shard_batch(data))  # now the adapters matter
+            held = trainer.evaluate(state, trainer.shard_batch(data))["loss"]
+            results[rate, layout] = float(metrics["loss"]), float(held)
+    dropped, kept = results[0.5, "data=8"], results[0.0, "data=8"]
+    assert dropped[0] == pytest.approx(results[0.5, "data=2,fsdp=2,tensor=2"][0], rel=1e-5)
+    assert abs(dropped[0] - kept[0]) > 1e-4  # training dropped something
+    assert dropped[1] == pytest.approx(results[0.5, "data=2,fsdp=2,tensor=2"][1], rel=1e-5)

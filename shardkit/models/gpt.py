@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import math
@@ -306,6 +307,10 @@ def _param(rngs: nnx.Rngs, init: Any, shape: tuple[int, ...], names: tuple[str |
     return nnx.Param(logical(init, names)(rngs.params(), shape, jnp.dtype(dtype)))
 
 
+# The key of the adapters' dropout within a layer's training call (None: evaluating, or no LoRA).
+_ADAPTER_KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("shardkit_lora_key", default=None)
+
+
 def _adapters(
     module: nnx.Module,
     cfg: GPTConfig,
@@ -336,6 +341,9 @@ def _low_rank(module: nnx.Module, cfg: GPTConfig, short: str, x: jax.Array, spec
         return None
     b = getattr(module, f"lora_{short}_b")[...].astype(x.dtype)
     with jax.named_scope(f"lora_{short}"):
+        key = _ADAPTER_KEY.get()  # peft's lora_dropout: on the adapter's input, in training only
+        if key is not None and cfg.lora.dropout:
+            x = dropout(x, cfg.lora.dropout, jax.random.fold_in(key, list(TARGETS.values()).index(short)))
         xa = jnp.einsum(spec, x, a[...].astype(x.dtype))  # (B, T, r)
         return jnp.einsum("btr,r...->bt...", xa, b) * jnp.asarray(cfg.lora.scale, x.dtype)
 
@@ -784,6 +792,7 @@ class Block(nnx.Module):
         else:
             self.mlp = SwiGLU(cfg, rngs)
         self.dropout, self.post_norms = cfg.dropout, cfg.post_norms
+        self.adapter_dropout = cfg.lora.dropout if cfg.lora is not None else 0.0
 
     def __call__(
         self, x: jax.Array, key: jax.Array | None, sliding: bool | jax.Array = False
@@ -820,17 +829,23 @@ class Block(nnx.Module):
         """The layer around an attention ``attend`` of the normed input (the plain one, or a
         KV-cached one, :mod:`shardkit.models.kv_cache`): both residual branches and their norms."""
         k1, k2 = (None, None) if key is None else jax.random.split(key)
-        with jax.named_scope("attn"):
-            out = attend(self.attn_norm(x))
-            if self.post_norms:
-                out = self.post_attn_norm(out)
-            x = x + dropout(out, self.dropout, k1)  # (B, T, D)
-        with jax.named_scope("mlp"):
-            mixed = self.mlp(self.mlp_norm(x))
-            out, aux = mixed if isinstance(mixed, tuple) else (mixed, jnp.zeros((), jnp.float32))
-            if self.post_norms:
-                out = self.post_mlp_norm(out)
-            x = x + dropout(out, self.dropout, k2)  # (B, T, D)
+        # The adapters' dropout draws from its own key: k1 and k2 stay those of a model without adapters.
+        adapters = None if key is None or not self.adapter_dropout else jax.random.fold_in(key, 2)
+        token = _ADAPTER_KEY.set(adapters)
+        try:
+            with jax.named_scope("attn"):
+                out = attend(self.attn_norm(x))
+                if self.post_norms:
+                    out = self.post_attn_norm(out)
+                x = x + dropout(out, self.dropout, k1)  # (B, T, D)
+            with jax.named_scope("mlp"):
+                mixed = self.mlp(self.mlp_norm(x))
+                out, aux = mixed if isinstance(mixed, tuple) else (mixed, jnp.zeros((), jnp.float32))
+                if self.post_norms:
+                    out = self.post_mlp_norm(out)
+                x = x + dropout(out, self.dropout, k2)  # (B, T, D)
+        finally:
+            _ADAPTER_KEY.reset(token)
         return constrain(x, ("batch", "seq", "embed")), aux
 
 
@@ -876,8 +891,10 @@ class GPT(nnx.Module):
             self.lm_head = _param(rngs, nnx.initializers.lecun_normal(), (cfg.dim, cfg.vocab), ("embed", "vocab"), p)
 
     def _keys(self, key: jax.Array | None) -> jax.Array | None:
-        """Dropout keys: one per layer, then one for the embedding; None when dropout is off."""
-        if key is None or self.cfg.dropout == 0.0:
+        """Dropout keys: one per layer, then one for the embedding; None when dropout is off
+        (the model's, and its LoRA adapters')."""
+        adapters = self.cfg.lora is not None and self.cfg.lora.dropout > 0.0
+        if key is None or (self.cfg.dropout == 0.0 and not adapters):
             return None
         return jax.random.split(key, self.cfg.n_layers + 1)
 

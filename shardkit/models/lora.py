@@ -54,8 +54,9 @@ class LoRA:
       rank: ``r``, the adapters' inner size (>= 1).
       alpha: the scale's numerator (peft's ``lora_alpha``).
       targets: peft's ``target_modules`` among :data:`TARGETS`.
-      dropout: peft's ``lora_dropout``, kept to be written back; shardkit applies none on the
-        adapter path (a trainer warns when it is not 0).
+      dropout: peft's ``lora_dropout``: in training, the input of each adapter of shardkit's GPT
+        is dropped at this rate (the bits follow the rows, so they are the same on any layout);
+        ``with_lora`` models apply none yet.
     """
 
     rank: int = 8
