@@ -262,12 +262,17 @@ def test_the_command_trains_an_adapter_and_exports_it_from_the_run_alone(tmp_pat
 
 @pytest.mark.parametrize(
     "name, targets",
-    [("llama_style", r"self_attn/(q|v)_proj$|mlp/down$"), ("gemma_style", r"attn/(q|kv)_einsum$|mlp/up_proj$")],
+    [
+        ("llama_style", r"self_attn/(q|v)_proj$|mlp/down$"),
+        ("gemma_style", r"attn/(q|kv)_einsum$|mlp/up_proj$"),
+        ("linen_lm", r"attention/(query|value)$|wo$"),
+    ],
 )
 def test_lora_on_a_users_nnx_model_trains_the_adapters_alone_as_one_device(name, targets):
-    """``sk.with_lora``: adapters on the zoo's ``nnx.Linear`` (Llama-style) and ``nnx.Einsum``
-    (Gemma-style, a stacked (2, K, D, H) k/v kernel) projections; the base bit for bit as it was,
-    optimizer state for the adapters only, and the losses of one device under a hybrid layout."""
+    """``sk.with_lora``: adapters on the zoo's ``nnx.Linear`` (Llama-style), ``nnx.Einsum``
+    (Gemma-style, a stacked (2, K, D, H) k/v kernel) and Linen ``DenseGeneral`` (the Linen LM)
+    projections; the base bit for bit as it was, optimizer state for the adapters only, and the
+    losses of one device under a hybrid layout."""
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
@@ -276,7 +281,8 @@ def test_lora_on_a_users_nnx_model_trains_the_adapters_alone_as_one_device(name,
     entry = ZOO[name]
     losses = {}
     for layout in ("data=1", "data=2,fsdp=2,tensor=2"):
-        model = sk.with_lora(entry.make, targets, LoRA(rank=4, alpha=8))
+        make = (entry.make,) if entry.linen is None else (entry.linen, np.zeros((2, 32), np.int32))
+        model = sk.with_lora(*make, targets=targets, lora=LoRA(rank=4, alpha=8))
         devices = jax.devices()[:1] if layout == "data=1" else None
         trainer = sk.Trainer(model, optax.adamw(1e-2), layout, loss=entry.loss, devices=devices)
         state = trainer.init(0)
@@ -314,7 +320,9 @@ def test_lora_targets_that_match_nothing_are_refused():
     from zoo import ZOO
 
     with pytest.raises(ModelError, match="match no nnx.Linear or nnx.Einsum"):
-        sk.with_lora(ZOO["llama_style"].make, r"wqkv$").abstract_params()
+        sk.with_lora(ZOO["llama_style"].make, targets=r"wqkv$").abstract_params()
+    with pytest.raises(ModelError, match="match no nn.Dense or nn.DenseGeneral"):
+        sk.with_lora(ZOO["linen_lm"].linen, np.zeros((2, 32), np.int32), targets=r"wqkv$")
 
 
 def test_lora_dropout_drops_the_adapters_input_in_training_alike_on_every_layout():

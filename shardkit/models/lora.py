@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from shardkit.core.errors import ModelError
@@ -182,30 +183,39 @@ def add_adapters(module: nnx.Module, lora: LoRA, targets: str, rngs: nnx.Rngs) -
     return adapted
 
 
-def with_lora(
-    make: Callable[[nnx.Rngs], nnx.Module], targets: str, lora: LoRA | None = None, **from_nnx_kwargs: Any
-) -> Model:
-    """Your NNX model with LoRA adapters on the frozen base: :func:`shardkit.from_nnx` of
-    ``make`` with adapters on every ``nnx.Linear`` / ``nnx.Einsum`` whose module path matches
-    ``targets``; only the adapters train.
+def with_lora(make: Any, *example_inputs: Any, targets: str, lora: LoRA | None = None, **adapter_kwargs: Any) -> Model:
+    """Your model with LoRA adapters on the frozen base; only the adapters train.
+
+    - NNX (``make``: ``rngs -> module``): :func:`shardkit.from_nnx` of it with adapters on every
+      ``nnx.Linear`` / ``nnx.Einsum`` whose module path (``layers/0/attn/q``) matches ``targets``;
+    - Linen (``make``: a module, then its example inputs): :func:`shardkit.from_linen` of it with
+      adapters on every ``nn.Dense`` / ``nn.DenseGeneral`` whose path
+      (``block_0/attention/query``) matches.
 
     Args:
-      make: ``rngs -> module``, as ``from_nnx`` takes it.
-      targets: a regex over module paths (``r"attn/(q|v)_proj$"``).
-      lora: rank, alpha (``targets`` there is unused); default ``LoRA()`` (r=8, alpha 16).
-      **from_nnx_kwargs: as :func:`shardkit.from_nnx` takes them.
+      make: an NNX constructor or a Linen module.
+      example_inputs: a Linen module's example inputs (none for NNX).
+      targets: a regex over module paths (``re.search``).
+      lora: rank and alpha (its ``targets`` unused); default ``LoRA()`` (r=8, alpha 16).
+      **adapter_kwargs: as ``from_nnx`` / ``from_linen`` take them.
 
     Returns:
-      The :class:`~shardkit.Model`, its adapters ``.../lora_a`` ``(in..., r)`` and
-      ``.../lora_b`` ``(r, out...)`` named as their kernel's dimensions.
+      The :class:`~shardkit.Model`; each adapted module holds ``lora_a`` ``(in..., r)`` and
+      ``lora_b`` ``(r, out...)``, named as its kernel's input and output dimensions (so split as
+      the kernel is), and ``(alpha / r) (x A) B`` is added to its output.
 
     Example:
-      >>> import shardkit as sk
       >>> from flax import nnx
       >>> model = with_lora(lambda rngs: nnx.Linear(4, 8, rngs=rngs), targets=".*", lora=LoRA(rank=2))
       >>> {k: v.shape for k, v in model.abstract_params().items() if k.startswith("lora")}
       {'lora_a': (4, 2), 'lora_b': (2, 8)}
     """
+    from flax import linen as nn
+
+    if isinstance(make, nn.Module):
+        return _with_lora_linen(make, *example_inputs, targets=targets, lora=lora, **adapter_kwargs)
+    if example_inputs:
+        raise ModelError("with_lora: example inputs are for a Linen module; an NNX model takes rngs -> module.")
     from shardkit.models.nnx_adapter import from_nnx
 
     settings = lora or LoRA()
@@ -215,5 +225,89 @@ def with_lora(
         add_adapters(module, settings, targets, rngs)
         return module
 
-    model = from_nnx(build, **from_nnx_kwargs)
+    model = from_nnx(build, **adapter_kwargs)
     return dataclasses.replace(model, trainable=is_adapter)
+
+
+# -- LoRA on any Linen model -------------------------------------------------------------------
+
+
+def _linen_interceptor(lora: LoRA, targets: str, adapted: set[str]) -> Callable[..., Any]:
+    """An ``nn.intercept_methods`` interceptor that gives each ``nn.Dense`` / ``nn.DenseGeneral``
+    whose module path matches ``targets`` adapters ``lora_a`` / ``lora_b`` (created as its own
+    parameters, named as its kernel's dimensions) and adds ``(alpha / r) (x A) B`` to its output."""
+    from flax import linen as nn
+
+    def intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+        out = next_fun(*args, **kwargs)
+        module = context.module
+        if context.method_name != "__call__" or not isinstance(module, (nn.Dense, nn.DenseGeneral)):
+            return out
+        path = "/".join(str(p) for p in (module.scope.path if module.scope is not None else ()))
+        if not re.search(targets, path):
+            return out
+        x = args[0]
+        contracted = (-1,) if isinstance(module, nn.Dense) else tuple(np.atleast_1d(module.axis).tolist())
+        contracted = tuple(c % x.ndim for c in contracted)
+        ins = tuple(x.shape[c] for c in contracted)
+        produced = 1 if isinstance(module, nn.Dense) else len(np.atleast_1d(module.features))
+        outs = out.shape[out.ndim - produced :]
+        kernel: Any = module.get_variable("params", "kernel")
+        names = tuple(getattr(kernel, "names", None) or (None,) * (len(ins) + len(outs)))
+        a_names, b_names = (*names[: len(ins)], None), (None, *names[len(names) - len(outs) :])
+        fan_in = tuple(range(len(ins)))
+        a_init: Any = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=fan_in, out_axis=-1)
+        b_init: Any = nn.initializers.zeros
+        if isinstance(kernel, nn.LogicallyPartitioned):  # named as the kernel is: logical names, or mesh axes
+            a_init, b_init = (
+                nn.with_logical_partitioning(a_init, a_names),
+                nn.with_logical_partitioning(b_init, b_names),
+            )
+        elif isinstance(kernel, nn.Partitioned):
+            a_init, b_init = nn.with_partitioning(a_init, a_names), nn.with_partitioning(b_init, b_names)
+        a = nn.meta.unbox(module.param("lora_a", a_init, (*ins, lora.rank), out.dtype))
+        b = nn.meta.unbox(module.param("lora_b", b_init, (lora.rank, *outs), out.dtype))
+        adapted.add(path)
+        batch = [d for d in range(x.ndim) if d not in contracted]
+        xa = jnp.tensordot(x, a.astype(x.dtype), axes=(contracted, tuple(range(len(ins)))))  # (batch..., r)
+        xa = xa.transpose(*range(len(batch)), len(batch))
+        delta = (xa @ b.astype(x.dtype).reshape(lora.rank, -1)).reshape(*xa.shape[:-1], *outs)
+        return out + delta * jnp.asarray(lora.scale, out.dtype)
+
+    return intercept
+
+
+def _with_lora_linen(
+    module: Any, *example_inputs: Any, targets: str, lora: LoRA | None = None, **from_linen_kwargs: Any
+) -> Model:
+    """:func:`with_lora` of a Linen module: ``from_linen`` run under the adapters' interceptor,
+    and every later ``init`` and ``apply`` too."""
+    from flax import linen as nn
+
+    from shardkit.models.linen_adapter import from_linen
+
+    settings, adapted = lora or LoRA(), set[str]()
+    interceptor = _linen_interceptor(settings, targets, adapted)
+    with nn.intercept_methods(interceptor):  # the adapters exist when from_linen reads the parameters
+        model = from_linen(module, *example_inputs, **from_linen_kwargs)
+    if not adapted:
+        raise ModelError(
+            f"LoRA targets {targets!r} match no nn.Dense or nn.DenseGeneral of {type(module).__name__}; module "
+            "paths look like 'block_0/attention/query' (re.search on them)."
+        )
+
+    def intercepted(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            with nn.intercept_methods(interceptor):
+                return fn(*args)
+
+        return call
+
+    state_apply = None if model.state_apply is None else intercepted(model.state_apply)
+    return dataclasses.replace(
+        model,
+        init=intercepted(model.init),
+        apply=intercepted(model.apply),
+        state_apply=state_apply,
+        trainable=is_adapter,
+    )
