@@ -204,11 +204,6 @@ def beyond_the_bound(
     return sorted(out, key=lambda e: -e.moved_bytes)
 
 
-def extra_collectives(collectives: Iterable[CollectiveStat], bound: Mapping[str, float] | None = None) -> list[str]:
-    """:func:`beyond_the_bound` as sentences (the report's "beyond the bound:" lines)."""
-    return [e.line() for e in beyond_the_bound(collectives, bound or {})]
-
-
 def module_path(op: str) -> str:
     """The module path of an op: its named scopes without the primitive and any einsum spec
     (``layers/0/attn/kv/BTD,CDKH->CBTKH/dot_general`` -> ``layers/0/attn/kv``)."""

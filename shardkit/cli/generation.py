@@ -18,6 +18,7 @@ from shardkit.cli.run_inputs import tokenizer_path
 from shardkit.core.config import TrainConfig
 from shardkit.core.errors import InputError
 from shardkit.io import tokenizer as tokenizers
+from shardkit.io.data import read_jsonl
 from shardkit.runtime.distributed import is_primary
 
 
@@ -44,15 +45,9 @@ def read_prompts(path: str) -> list[str]:
     if not file.is_file():
         raise InputError(f'--prompts {path}: no such file (one JSON object per line: {{"prompt": "..."}}).')
     prompts = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"--prompts {path}, line {number}: not JSON ({e.msg}).") from None
+    for number, row in read_jsonl(file, "--prompts"):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise InputError(f'--prompts {path}, line {number}: each line needs a "prompt" string, got {line[:80]!r}.')
+            raise InputError(f'--prompts {path}, line {number}: each line needs a "prompt" string, got {row!r:.80}.')
         prompts.append(row["prompt"])
     if not prompts:
         raise InputError(f"--prompts {path} has no prompts.")

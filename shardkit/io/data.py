@@ -8,6 +8,8 @@ source files, so the main job trains on real text with no download.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import pathlib
 import sysconfig
 from typing import Any
@@ -68,6 +70,21 @@ def load_text(path: str | pathlib.Path) -> bytes:
     if not p.is_file():
         raise InputError(f"--data {p}: no such file. Give the path of a text file (or a directory of *.txt).")
     return p.read_bytes()
+
+
+def read_jsonl(path: str | os.PathLike[str], flag: str) -> list[tuple[int, Any]]:
+    """The JSON value of each non-blank line of ``path`` with its line number (from 1); an
+    :class:`InputError` naming ``flag`` (``--data``), the file and the line for one that is not JSON."""
+    records = []
+    with pathlib.Path(path).open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append((number, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise InputError(f"{flag} {path}: line {number} is not JSON ({e.msg}).") from None
+    return records
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from shardkit.core.errors import InputError
-from shardkit.io.data import TextDataset
+from shardkit.io.data import TextDataset, read_jsonl
 
 # The built-in template for checkpoints without a chat template (and byte tokens).
 PLAIN = (
@@ -219,17 +219,8 @@ class InstructionDataset(TextDataset):
     ) -> InstructionDataset:
         """Read a ``.jsonl`` of prompt/completion rows or chats (see the module), rendered with
         ``checkpoint``'s chat template when it has one."""
-        p = pathlib.Path(path)
-        rows = []
-        with p.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise InputError(f"--data {p}: line {number} is not JSON ({e.msg}).") from None
-        return cls.from_rows(rows, seed, tokenizer, template_of(checkpoint), where=f"--data {p}: ")
+        rows = [record for _, record in read_jsonl(path, "--data")]
+        return cls.from_rows(rows, seed, tokenizer, template_of(checkpoint), where=f"--data {path}: ")
 
     def packed(self, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens, segments, loss_mask)`` rows of ``seq_len + 1``: documents whole, in order,

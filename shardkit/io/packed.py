@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from shardkit.core.errors import InputError
-from shardkit.io.data import TextDataset
+from shardkit.io.data import TextDataset, read_jsonl
 
 SUFFIXES = (".jsonl", ".npy", ".bin")
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
@@ -55,17 +54,10 @@ def _jsonl_tokens(path: pathlib.Path, tokenizer: Any, field: str) -> tuple[np.nd
     """Every document's tokens, joined (end-of-text between documents when the tokenizer has one),
     and each token's document (0, 1, ...; a separator belongs to the document it ends)."""
     texts = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"--data {path}: line {number} is not JSON ({e.msg}).") from None
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise InputError(f"--data {path}: line {number} has no string field {field!r} (the document's text).")
-            texts.append(record[field])
+    for number, record in read_jsonl(path, "--data"):
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            raise InputError(f"--data {path}: line {number} has no string field {field!r} (the document's text).")
+        texts.append(record[field])
     if not texts:
         raise InputError(f"--data {path}: no documents.")
     if tokenizer is None:  # byte tokens; a blank line ends each document

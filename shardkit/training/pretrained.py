@@ -130,8 +130,6 @@ def from_pretrained(
     if adapter is not None:
         lora = peft.read_lora(adapter)
     cfg: GPTConfig = hf.gpt_config(hf_config, **model_options, lora=lora)
-    if adapter is not None:  # before the trainer: an adapter of another base is refused first
-        peft.check_adapter(hf.Tensors(adapter), peft.adapter_views(cfg), path)
     model = cfg.model(name=str(hf_config.get("model_type", "GPT")))
     trainer = Trainer(model, optimizer if optimizer is not None else optax.adamw(1e-5), layout, **options)
     params = peft.load_with_adapters(path, cfg, model, trainer.state_shardings.params, seed, adapter)
