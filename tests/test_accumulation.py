@@ -296,3 +296,70 @@ def test_zero_stages_reduce_once_onto_the_optimizers_shards():
     # ZeRO-1 all-reduces the sums once; ZeRO-2 reduce-scatters them onto the optimizer's shards.
     assert bytes_by_stage[1] == pytest.approx(reduction_bound(trainer), rel=0.01)
     assert bytes_by_stage[2] == pytest.approx(bytes_by_stage[1] / 2, rel=0.01)
+
+
+PLAIN = GPTConfig.preset("tiny")
+
+
+def masked_batches() -> list[dict]:
+    """Rows scoring very different numbers of tokens: row r is padding (segment 0) from
+    ``lengths[r]`` on and a prompt (loss_mask 0) for its first ``prompts[r]`` tokens. Microbatch
+    ``j`` takes rows ``j::K``, so the microbatches' counts differ about fourfold."""
+    out = []
+    for step, b in enumerate(BATCHES):
+        rng = np.random.default_rng(step)
+        rows = np.arange(B)
+        lengths = np.where(rows % K == 0, T + 1, rng.integers(6, 12, B))
+        prompts = rng.integers(1, 5, B)
+        positions = np.arange(T + 1)[None, :]
+        segments = (positions < lengths[:, None]).astype(np.int32)
+        loss_mask = (positions >= prompts[:, None]).astype(np.int32)
+        out.append({"tokens": b["tokens"], "segments": segments, "loss_mask": loss_mask})
+    return out
+
+
+def token_weighted_reference(lr: float, batches: list[dict]) -> tuple[list[float], dict]:
+    """One device, plain jax and optax, the whole batch in one pass: the loss is the sum of the
+    scored tokens' cross-entropies over their number. A row of one document followed by
+    padding needs no segment mask: causal attention never reads the padding after a token."""
+    graphdef = nnx.graphdef(GPT(PLAIN, rngs=nnx.Rngs(0)))
+
+    def init(key):
+        return nnx.to_pure_dict(nnx.state(GPT(PLAIN, rngs=nnx.Rngs(key)), nnx.Param))
+
+    def loss_fn(logits, batch):
+        seg, mask = batch["segments"], batch["loss_mask"]
+        weight = ((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0) & (mask[:, 1:] == 1)).astype(jnp.float32)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
+        return (ce * weight).sum() / weight.sum()
+
+    forward = lambda p, batch: nnx.merge(graphdef, p)(batch["tokens"][:, :-1])
+    return reference_training(init, forward, loss_fn, optax.sgd(lr), batches)
+
+
+# layout, how asked to reduce, pipeline schedule (None: a plain step), what the step does
+MASKED = [
+    ("data=8", "auto", None, "once"),
+    ("data=2,fsdp=2,tensor=2", "per_microbatch", None, "per_microbatch"),
+    ("stage=2,data=4", "auto", "1f1b", "once"),
+    ("stage=2,data=2,tensor=2", "per_microbatch", "gpipe", "per_microbatch"),
+]
+
+
+@pytest.mark.parametrize("layout,reduce,schedule,reduces", MASKED)
+def test_microbatches_with_loss_masks_give_the_token_weighted_loss(layout, reduce, schedule, reduces):
+    """K microbatches that score different numbers of tokens weigh each microbatch's mean by its
+    count: the loss and the update of one pass over the batch, not the mean of K means."""
+    batches = masked_batches()
+    ref_losses, ref_params = token_weighted_reference(0.3, batches)
+    trainer = sk.Trainer(
+        PLAIN.model(), optax.sgd(0.3), layout, microbatches=K, reduce_gradients=reduce, schedule=schedule
+    )
+    losses, params = run_trainer(trainer, batches)
+    assert trainer.accumulation.reduces == reduces
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-6)
+    unweighted = np.mean(
+        [float(token_weighted_reference(0.0, [{k: v[j::K] for k, v in batches[0].items()}])[0][0]) for j in range(K)]
+    )
+    assert abs(losses[0] - unweighted) > 1e-3  # the mean of K means differs: the test can tell

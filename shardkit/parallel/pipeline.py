@@ -56,6 +56,7 @@ def pipeline_value_and_grad(
     axis: str = "stage",
     row_axes: tuple[str, ...] = (),
     micro_rows: Any = None,
+    total_count: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, Any, Any]:
     """Mean loss over microbatches and its gradients, computed by a pipeline over ``axis``.
 
@@ -82,6 +83,10 @@ def pipeline_value_and_grad(
       micro_rows: with ``row_axes``, a tree like ``micro`` of bools: whether a leaf has rows
         (after the microbatch dimension) or is the same for every row (a key, say). Default:
         every leaf has rows.
+      total_count: the sum of the ``m`` microbatches' counts, known before the schedule runs:
+        each microbatch's (or device block's) mean loss is then weighted by its count over
+        this total (a token-weighted mean where microbatches score different numbers of
+        tokens), instead of ``1 / m`` each.
 
     Returns:
       ``(mean loss, total count, gradients of layer_params, gradients of shared_params)``,
@@ -118,7 +123,7 @@ def pipeline_value_and_grad(
     def blocks(x: jax.Array) -> jax.Array:  # (rows, ...) -> (n, rows/n, ...): each device's own
         return pin_rows(x.reshape(n, x.shape[0] // n, *x.shape[1:]))
 
-    def island(layers: Any, shared: Any, micro: Any) -> tuple[jax.Array, jax.Array, Any, Any]:
+    def island(layers: Any, shared: Any, micro: Any, total: Any) -> tuple[jax.Array, jax.Array, Any, Any]:
         device = jax.lax.axis_index(axis)
         layers = jax.tree.map(lambda a: a[:, 0], layers)  # (v, L/(v p), ...): this device's chunks
         # Differentiate with respect to a per-stage copy of the shared parameters: a cotangent
@@ -160,8 +165,14 @@ def pipeline_value_and_grad(
                     return (x_out, loss), count
 
                 (_, loss), vjp, count = jax.vjp(run, lp, sp, x, has_aux=True)
-                # The microbatch's mean loss is the mean of its n blocks' mean losses.
-                seed = jax.lax.pcast(jnp.asarray(1.0 / (m * n), loss.dtype), (axis,), to="varying")
+                # The microbatch's mean loss is the mean of its n blocks' mean losses, or with a
+                # total count the blocks' means weighted by what each scored.
+                weight = 1.0 / (m * n) if total is None else count.astype(jnp.float32) / total
+                seed = jnp.asarray(weight, loss.dtype)
+                if not _varies_over(seed, axis):  # a count read from the stage's rows already varies
+                    seed = jax.lax.pcast(seed, (axis,), to="varying")
+                if total is not None:
+                    loss = loss.astype(jnp.float32) * weight
                 return (*vjp((dx_out, seed)), loss, count)
 
             if row_axes:
@@ -171,7 +182,7 @@ def pipeline_value_and_grad(
                     g_layers, g_shared, dx, loss, count = per_block(
                         chunk_layers, shared, blocks(x_in), blocks(carry["dx_recv"]), blocked
                     )
-                dx, loss, count = dx.reshape(boundary.shape), loss.mean(), count.sum()
+                dx, loss, count = dx.reshape(boundary.shape), loss.mean() if total is None else loss.sum(), count.sum()
             else:
                 g_layers, g_shared, dx, loss, count = grads(chunk_layers, shared, x_in, carry["dx_recv"], mb)
                 g_layers, g_shared = jax.tree.map(lambda g: g[None], (g_layers, g_shared))
@@ -224,7 +235,7 @@ def pipeline_value_and_grad(
         carry = jax.tree.map(lambda a: jax.lax.pcast(a, (axis,), to="varying"), carry)
         for phase in schedule.phases:
             carry = run_phase(carry, phase)
-        loss = jax.lax.psum(carry["loss"], axis) / m
+        loss = jax.lax.psum(carry["loss"], axis) / (m if total is None else 1)  # weighted: already the mean
         count = jax.lax.psum(carry["count"], axis)
         g_layers = jax.tree.map(lambda g: g[:, :, None], carry["g_layers"])  # (n, v, 1, L/(v p), ...)
         return loss, count, g_layers, jax.lax.psum(carry["g_shared"], axis)
@@ -239,7 +250,7 @@ def pipeline_value_and_grad(
     run = jax.shard_map(
         island,
         mesh=mesh,
-        in_specs=(stage_spec, everywhere(shared_params), everywhere(micro)),
+        in_specs=(stage_spec, everywhere(shared_params), everywhere(micro), PartitionSpec()),
         out_specs=(
             PartitionSpec(),
             PartitionSpec(),
@@ -251,8 +262,14 @@ def pipeline_value_and_grad(
         # which row_axes (automatic here) are not: their typing is not checked then.
         check_vma=not row_axes,
     )
-    loss, count, g_layers, g_shared = run(chunked, shared_params, micro)
+    loss, count, g_layers, g_shared = run(chunked, shared_params, micro, total_count)
     g_layers = jax.tree.map(lambda g, a: g.reshape(n, *a.shape), g_layers, layer_params)
     if not row_axes:  # GSPMD reduced each slot's gradients: one part
         g_layers, g_shared = jax.tree.map(lambda g: g[0], (g_layers, g_shared))
     return loss, count, g_layers, g_shared
+
+
+def _varies_over(x: jax.Array, axis: str) -> bool:
+    """Whether ``x`` is typed as differing between the devices of manual mesh ``axis``."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return axis in getattr(manual, "varying", frozenset())

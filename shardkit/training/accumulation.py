@@ -11,9 +11,13 @@ Two ways to sum, one result:
   as ``spmd_axis_name``, so the per-device gradients are an ordinary array split over those
   axes, ``(n, *param)``, and no reduction is needed until the sum.
 
-Both give the mean over microbatches of each microbatch's mean loss and gradient. Reducing once
-splits each microbatch further, into each device's rows, which is the same mean when the loss is
-a mean over rows (shardkit's losses are) and the model treats rows independently; dropout drawn
+Both give the loss and gradient of the whole batch. Each microbatch's mean is weighted by the
+count its loss averaged over where counts differ between microbatches (a batch with
+``loss_mask`` or ``segments``: prompts and padding score nothing), so that K microbatches give the
+token-weighted mean of one pass, not the mean of K means; otherwise every microbatch weighs the
+same. Reducing once splits each microbatch further, into each device's rows, which is the same
+mean when the loss is a mean over rows (shardkit's losses are) and the model treats rows
+independently; dropout drawn
 with :func:`shardkit.models.dropout.dropout` keeps its bits row for row. :func:`choose` decides: see
 ``REDUCE_GRADIENTS``: ``auto`` reduces once where that costs no memory (no row axis splits the
 parameters) and keeps the result, ``once`` always (an error where it cannot), ``per_microbatch``
@@ -43,7 +47,14 @@ from shardkit.parallel.embedding_gradients import Tables
 from shardkit.parallel.input_gradients import reduce_input_gradients_once
 from shardkit.parallel.schedule import Schedule
 from shardkit.training.losses import Batch, LossFn
-from shardkit.training.steps import GradsFn, pipelined_grads, plain_grads, reduce_row_sums, split_microbatches
+from shardkit.training.steps import (
+    GradsFn,
+    counts_differ,
+    pipelined_grads,
+    plain_grads,
+    reduce_row_sums,
+    split_microbatches,
+)
 
 # Primitives that draw random bits. shardkit's dropout draws inside a custom_vmap_call, which
 # the search does not enter: its bits survive the vmap over rows.
@@ -124,18 +135,21 @@ def accumulated_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan) 
     def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
         micro = split_microbatches(batch, microbatches, plan)
         zeros = plan.constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), shardings)
+        weighted = counts_differ(batch)
 
         def body(carry: tuple[Any, ...], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, ...], None]:
             grad_sum, loss_sum, count_sum, state = carry
             mb, i = xs
             # Running statistics are updated microbatch after microbatch, as K forward passes would.
             value, count, g, state = grads_fn(params, state, mb, jax.random.fold_in(key, i))
-            grad_sum = plan.constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g), shardings)
-            return (grad_sum, loss_sum + value, count_sum + count, state), None
+            w = count.astype(jnp.float32) if weighted else 1.0
+            grad_sum = plan.constrain(jax.tree.map(lambda a, b: a + w * b.astype(jnp.float32), grad_sum, g), shardings)
+            return (grad_sum, loss_sum + w * value, count_sum + count, state), None
 
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), model_state)
         (grad_sum, loss_sum, count, state), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
-        return loss_sum / microbatches, count, jax.tree.map(lambda g: g / microbatches, grad_sum), state
+        total = jnp.maximum(count.astype(jnp.float32), 1.0) if weighted else microbatches
+        return loss_sum / total, count, jax.tree.map(lambda g: g / total, grad_sum), state
 
     return grads
 
@@ -167,25 +181,35 @@ def once_reduced_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan,
 
         micro = {name: blocks(name, x) for name, x in split_microbatches(batch, microbatches, plan).items()}
         zeros = plan.constrain(jax.tree.map(lambda p: jnp.zeros((n, *p.shape), jnp.float32), params), sums_at)
+        weighted = counts_differ(batch)
 
         def body(carry: tuple[Any, Any, Any], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, Any, Any], None]:
             grad_sum, loss_sum, count_sum = carry
             mb, i = xs
             with axes_taken(axes):
                 value, count, g, _ = per_device(params, None, mb, jax.random.fold_in(key, i))
-            grad_sum = plan.constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g), sums_at)
-            return (grad_sum, loss_sum + value.mean(), count_sum + count.sum()), None
+            if weighted:  # each device block's mean weighs what it scored: (n,) weights
+                w = count.astype(jnp.float32)
+                scale = lambda b: w.reshape(n, *([1] * (b.ndim - 1))) * b.astype(jnp.float32)
+                grad_sum = jax.tree.map(lambda a, b: a + scale(b), grad_sum, g)
+                loss_sum = loss_sum + (w * value).sum()
+            else:
+                grad_sum = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g)
+                loss_sum = loss_sum + value.mean()
+            return (plan.constrain(grad_sum, sums_at), loss_sum, count_sum + count.sum()), None
 
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
         (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
+        total = jnp.maximum(count.astype(jnp.float32), 1.0) if weighted else microbatches * n
         with jax.named_scope(GRADIENT_REDUCTION_SCOPE):  # the report counts it as backward traffic
             reduced = jax.tree.map(
-                lambda g, spec: reduce_row_sums(g, spec, plan, axes) / (microbatches * n),
+                lambda g, spec: reduce_row_sums(g, spec, plan, axes) / total,
                 grad_sum,
                 plan.grad_specs,
                 is_leaf=lambda x: isinstance(x, PartitionSpec),
             )
-        return loss_sum / microbatches, count, reduced, model_state  # choose() keeps models with state away
+        loss = loss_sum / total if weighted else loss_sum / microbatches
+        return loss, count, reduced, model_state  # choose() keeps models with state away
 
     return grads
 

@@ -160,6 +160,14 @@ def make_eval(model: Model, loss: LossFn, precision: Precision) -> Callable[[Par
     return evaluate
 
 
+def counts_differ(batch: Batch) -> bool:
+    """Whether microbatches of ``batch`` may score different numbers of tokens: it carries a
+    ``loss_mask`` (prompts score nothing) or ``segments`` (padding scores nothing). Their means
+    are then weighted by their counts, so that ``K`` microbatches give the loss of one pass
+    over the batch; otherwise every microbatch scores alike and weighs ``1 / K``."""
+    return "loss_mask" in batch or "segments" in batch
+
+
 def split_microbatches(batch: Batch, k: int, plan: ShardingPlan) -> dict[str, jax.Array]:
     """``(B, ...) -> (K, B/K, ...)`` for every entry, microbatch ``i`` taking every K-th row from
     ``i``: each device keeps its own rows and no data moves; the rows stay sharded like the batch."""
@@ -261,6 +269,22 @@ def pipelined_grads(
             value, count = loss(forward, mb)
             return held["x"], jnp.where(stage == p - 1, value, 0.0) + held["aux"], count
 
+        def scored_counts(params: Params, micro: Batch) -> jax.Array:
+            """``(m,)`` the count each microbatch's loss averages over, from the batch alone (the
+            loss is given zero outputs of the model's shape; what it computes from them is dead)."""
+            full = precision.cast_for_compute(params)
+            first = {k: v[0] for k, v in micro.items() if k != _KEY}
+            shapes: dict[str, Any] = {}
+
+            def head_of(inputs: Any) -> Any:
+                shapes["out"] = jax.eval_shape(lambda: stages.head(full, stages.embed(full, inputs, None)))
+                return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["out"])
+
+            jax.eval_shape(lambda mb: loss(head_of, mb), first)
+            zeros = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["out"])
+            rest = {k: v for k, v in micro.items() if k != _KEY}
+            return jax.vmap(lambda mb: loss(zeros, mb)[1])(rest)
+
         def entering(params: Params, mb: Batch) -> jax.Array:
             full, held = precision.cast_for_compute(params), {}
 
@@ -274,8 +298,20 @@ def pipelined_grads(
         first = {k: v[0] for k, v in micro.items() if k != _KEY}
         boundary = jax.eval_shape(entering, params, first)
         rows = {name: name != _KEY for name in micro}
+        total = None
+        if counts_differ(batch):  # each microbatch's loss weighs what it scores: the total first
+            total = jnp.maximum(scored_counts(params, micro).sum().astype(jnp.float32), 1.0)
         value, count, g_layers, g_shared = pipeline_value_and_grad(
-            stage_loss, layer_params, shared, micro, boundary, schedule, plan.mesh, row_axes=row_axes, micro_rows=rows
+            stage_loss,
+            layer_params,
+            shared,
+            micro,
+            boundary,
+            schedule,
+            plan.mesh,
+            row_axes=row_axes,
+            micro_rows=rows,
+            total_count=total,
         )
         grads = {**g_shared, stages.layers: g_layers}
         if row_axes:
