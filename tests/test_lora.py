@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 
 import shardkit as sk
 from shardkit.core.errors import CheckpointError, InputError, ModelError
+from shardkit.core.partition import named
 from shardkit.models.lora import LoRA
 from shardkit.models.peft import split_adapters
 
@@ -147,6 +148,69 @@ def test_the_optimizer_holds_state_for_the_adapters_only_and_no_base_gradient_is
     assert lora_report.memory.optimizer < 0.2 * full_report.memory.optimizer
     # No weight gradient of the frozen base: a third of a full step's matmul FLOPs is gone.
     assert lora_report.flops_per_device < 0.8 * full_report.flops_per_device
+
+
+def one_device_lora_bf16_master() -> list[float]:
+    """Plain JAX + optax on one device under bf16-master: bf16 weights in the forward, the
+    adapters' fp32 master updated by AdamW, the base in bf16 and never updated."""
+    model = CFG.model()
+    params = jax.device_put(model.init(jax.random.split(jax.random.key(0))[0]), jax.devices()[0])
+    base, master = split_adapters(params)
+    base = jax.tree.map(lambda x: x.astype(jnp.bfloat16), base)
+    from shardkit.models.peft import join_adapters
+
+    def loss(master, batch):
+        tokens = batch["tokens"]
+        adapters = jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)
+        out = model.apply(join_adapters(base, adapters), tokens[:, :-1], None)
+        return optax.softmax_cross_entropy_with_integer_labels(out.astype(jnp.float32), tokens[:, 1:]).mean()
+
+    tx = optax.adamw(LR)
+    opt_state, losses = tx.init(master), []
+    data = sk.TextDataset.builtin()
+    for step in range(STEPS):
+        value, grads = jax.value_and_grad(loss)(master, data.batch(step, 8, 32))
+        updates, opt_state = tx.update(grads, opt_state, master)
+        master = optax.apply_updates(master, updates)
+        losses.append(float(value))
+    return losses
+
+
+def test_bf16_master_keeps_a_master_copy_of_the_adapters_alone(tmp_path):
+    """Under bf16-master a frozen base has no fp32 master (it never updates): the master's bytes
+    per device are the adapters' fp32 bytes, under ZeRO-1 too; the run equals one device, and a
+    checkpoint of it restores (with the optimizer reset as well)."""
+    layout, batch = "data=4,fsdp=2", {"tokens": jax.ShapeDtypeStruct((8, 33), jnp.int32)}
+    lora = sk.Trainer(CFG.model(), optax.adamw(LR), layout, precision="bf16-master", zero=1)
+    full = sk.Trainer(
+        sk.models.GPTConfig.preset("tiny").model(), optax.adamw(LR), layout, precision="bf16-master", zero=1
+    )
+    abstract = split_adapters(lora.abstract_state().params)[1]
+    update = split_adapters(named(lora.plan.update_specs, lora.mesh))[1]
+    adapters_fp32 = sum(
+        int(np.prod(s.shard_shape(a.shape))) * 4
+        for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(update), strict=True)
+    )
+    master = lora.report(batch).memory.master
+    assert master == adapters_fp32
+    assert master < 0.2 * full.report(batch).memory.master
+
+    state, losses, data = lora.init(0), [], sk.TextDataset.builtin()
+    base_before = split_adapters(jax.device_get(state.params))[0]
+    for step in range(STEPS):
+        state, metrics = lora.step(state, lora.shard_batch(data.batch(step, 8, 32)))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, one_device_lora_bf16_master(), rtol=2e-3)
+    jax.tree.map(np.testing.assert_array_equal, split_adapters(jax.device_get(state.params))[0], base_before)
+
+    ckpt = sk.Checkpointer(tmp_path / "ck")
+    ckpt.save(lora, state, data_position=STEPS, force=True)
+    ckpt.close()
+    for reset in (False, True):
+        restored, _ = sk.Checkpointer(tmp_path / "ck").restore(lora, reset_optimizer=reset)
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.master), jax.device_get(state.master))
+        after, _ = lora.step(restored, lora.shard_batch(data.batch(STEPS, 8, 32)))
+        assert np.isfinite(jax.device_get(after.params["blocks"]["attn"]["lora_q_b"])).all()
 
 
 # -- bad input ---------------------------------------------------------------------------------

@@ -266,7 +266,7 @@ def plan_sharding(
         params=param_specs,
         opt_state=follow_params(abstract_opt, abstract_params, update_specs),
         rng=replicated,
-        master=update_specs if precision.master is not None else None,
+        master=_master_specs(model, update_specs) if precision.master is not None else None,
         # Running statistics are per channel (small) and every device's forward reads them whole.
         model_state=jax.tree.map(lambda _: replicated, model.abstract_model_state()),
     )
@@ -408,6 +408,17 @@ def zero_specs(param_specs: Any, abstract_params: Any, mesh_shape: Mapping[str, 
         return spec
 
     return jax.tree.map(add, param_specs, abstract_params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def _master_specs(model: Model, update_specs: Any) -> Any:
+    """Where the master copy lives: as the optimizer's copies, none for a frozen parameter
+    (:func:`shardkit.core.state.master_copy`)."""
+    if model.trainable is None:
+        return update_specs
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    return jax.tree.map(
+        lambda spec, t: spec if t else optax.MaskedNode(), update_specs, model.trainable_mask(), is_leaf=is_spec
+    )
 
 
 def follow_params(opt_state: Any, params: Any, param_specs: Any) -> Any:

@@ -40,6 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from shardkit.core.errors import CheckpointError
+from shardkit.core.state import update_target
 from shardkit.runtime.dirlock import DirectoryLock
 from shardkit.training.checkpoint_checks import (
     MANIFEST,
@@ -386,7 +387,7 @@ class Checkpointer:
         return TrainState(
             step=restored["step"],
             params=restored["params"],
-            opt_state=fresh(master if master is not None else restored["params"]),
+            opt_state=fresh(update_target(restored["params"], master)),
             rng=restored["rng"],
             master=master,
             model_state=restored.get("model_state"),

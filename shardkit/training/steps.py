@@ -30,7 +30,7 @@ from shardkit.core.partition import path_str
 from shardkit.core.precision import Precision
 from shardkit.core.rules import entry_axes
 from shardkit.core.sharding import ShardingPlan
-from shardkit.core.state import TrainState
+from shardkit.core.state import TrainState, frozen_in, next_master, update_target
 from shardkit.models.model import Model, Params, apply_model
 from shardkit.parallel.pipeline import pipeline_value_and_grad
 from shardkit.parallel.schedule import Schedule, make_schedule
@@ -180,7 +180,7 @@ def split_microbatches(batch: Batch, k: int, plan: ShardingPlan) -> dict[str, ja
     return {name: split(name, x) for name, x in batch.items()}
 
 
-def gather_as_bits(params: Params, plan: ShardingPlan) -> Params:
+def gather_as_bits(params: Params, plan: ShardingPlan, frozen: Params | None = None) -> Params:
     """ZeRO's all-gather of the updated parameters, from the optimizer's shards
     (``plan.update_specs``) to where they are stored (``plan.param_specs``), moving 16-bit floats
     as their bits (``uint16``).
@@ -189,7 +189,8 @@ def gather_as_bits(params: Params, plan: ShardingPlan) -> Params:
     all-gather to f32 after partitioning: every parameter would be gathered whole in f32, twice
     the bytes of the parameters, in the step's temporary memory, where a GPU gathers bf16 (on an
     8-layer GPT under ZeRO-2, 1.0 byte a parameter of temporary memory more). Integers are never
-    promoted. Wider dtypes are gathered as they are.
+    promoted. Wider dtypes are gathered as they are. Where ``frozen`` (a tree of bools) is True
+    the parameter never left its place (no master copy, no update) and is returned as it is.
 
     Example:
       >>> import optax, shardkit as sk
@@ -209,7 +210,15 @@ def gather_as_bits(params: Params, plan: ShardingPlan) -> Params:
         return jax.lax.bitcast_convert_type(bits, x.dtype)
 
     is_spec = lambda x: isinstance(x, PartitionSpec)
-    return jax.tree.map(gather, plan.update_specs, plan.param_specs, params, is_leaf=is_spec)
+    frozen = jax.tree.map(lambda _: False, params) if frozen is None else frozen
+    return jax.tree.map(
+        lambda spec, whole, x, kept: x if kept else gather(spec, whole, x),
+        plan.update_specs,
+        plan.param_specs,
+        params,
+        frozen,
+        is_leaf=is_spec,
+    )
 
 
 def reduce_row_sums(sums: jax.Array, spec: PartitionSpec, plan: ShardingPlan, axes: tuple[str, ...]) -> jax.Array:
@@ -345,7 +354,7 @@ def make_step(
     precision: Precision,
     nonfinite: str | None,
     grads_to: Callable[[Any], Any] | None = None,
-    params_to: Callable[[Any], Any] | None = None,
+    params_to: Callable[..., Any] | None = None,
 ) -> StepFn:
     """``step(state, batch) -> (state, metrics)``: gradients, the optimizer update (on the master
     copy under ``bf16-master``), and with a ``nonfinite`` policy the guard that leaves the state
@@ -360,13 +369,13 @@ def make_step(
     """
 
     def updated_state(state: TrainState, grads: Any, model_state: Any) -> TrainState:
-        target = state.master if state.master is not None else state.params
+        target = update_target(state.params, state.master)
         updates, opt_state = optimizer.update(grads, state.opt_state, target)
         updated = optax.apply_updates(target, updates)
         if state.master is not None:
             # Under ZeRO the parameters are gathered from the new master by gathered() below.
             stored = state.params if params_to is not None else precision.cast_for_storage(updated)
-            new = dataclasses.replace(state, params=stored, master=updated)
+            new = dataclasses.replace(state, params=stored, master=next_master(state.master, updated))
         else:
             new = dataclasses.replace(state, params=updated)
         return dataclasses.replace(new, step=state.step + 1, opt_state=opt_state, model_state=model_state)
@@ -377,12 +386,13 @@ def make_step(
         of a skipped step is the old one, and so are the parameters cast from it."""
         if params_to is None or new.master is None:
             return new
-        return dataclasses.replace(new, params=params_to(precision.cast_for_storage(new.master)))
+        stored = precision.cast_for_storage(update_target(new.params, new.master))
+        return dataclasses.replace(new, params=params_to(stored, frozen=frozen_in(new.master)))
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         loss, count, grads, model_state = grads_fn(state.params, state.model_state, batch, key)
-        target = state.master if state.master is not None else state.params
+        target = update_target(state.params, state.master)
         grads = jax.tree.map(lambda g, t: g.astype(t.dtype), grads, target)
         if grads_to is not None:
             grads = grads_to(grads)

@@ -32,7 +32,7 @@ from shardkit.core.partition import named, path_str, use_sharding
 from shardkit.core.precision import Precision, as_precision
 from shardkit.core.rules import RulesLike, as_rules, default_rules, tensor_sequence_parallel
 from shardkit.core.sharding import ShardingPlan, plan_sharding, unnamed_model_note
-from shardkit.core.state import TrainState
+from shardkit.core.state import TrainState, master_copy, update_target
 from shardkit.models.model import Model, with_frozen_base
 from shardkit.parallel.schedule import Schedule
 from shardkit.runtime.host_allocator import keep_heaps, temp_heap_options
@@ -232,17 +232,20 @@ class Trainer:
 
     def _state_of(self, created: Any, seed: int) -> TrainState:
         init_key, rng = jax.random.split(jax.random.key(seed))
-        updated = self.precision.optimizer_copy(created)
+        stored, master = self.precision.cast_for_storage(created), None
+        if self.precision.master is not None:  # frozen parameters (a LoRA base) get none
+            trainable = self.model.trainable_mask() if self.model.trainable is not None else None
+            master = master_copy(created, self.precision.master, trainable)
         model_state = None
         if self.model.state_init is not None:
             with use_sharding(self.mesh, self.rules):
                 model_state = self.model.state_init(init_key)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
-            params=self.precision.cast_for_storage(created),
-            opt_state=self.optimizer.init(updated),
+            params=stored,
+            opt_state=self.optimizer.init(update_target(stored, master)),
             rng=jax.random.key_data(rng),
-            master=updated if self.precision.master is not None else None,
+            master=master,
             model_state=model_state,
         )
 
