@@ -363,3 +363,54 @@ def test_microbatches_with_loss_masks_give_the_token_weighted_loss(layout, reduc
         [float(token_weighted_reference(0.0, [{k: v[j::K] for k, v in batches[0].items()}])[0][0]) for j in range(K)]
     )
     assert abs(losses[0] - unweighted) > 1e-3  # the mean of K means differs: the test can tell
+
+
+# -- a parameter read twice, without microbatches ---------------------------------------------
+
+
+def data_gradient_bytes(trainer: sk.Trainer, batch: dict) -> float:
+    """Bytes per device of the backward reductions over ``data`` (the gradients')."""
+    return sum(
+        c.moved_bytes
+        for c in trainer.report(batch).collectives
+        if c.direction == "backward" and c.kind in ("all-reduce", "reduce-scatter") and c.axes == ("data",)
+    )
+
+
+@pytest.mark.parametrize("name", ["gemma_style", "encoder_decoder", "llama_style", "vit"])
+@pytest.mark.parametrize("layout", ["data=8", "data=4,tensor=2"])
+def test_a_parameter_read_twice_has_its_gradient_reduced_once(name, layout):
+    """A table tied to the output layer (gemma_style) or shared by encoder and decoder has two
+    gradient parts, which XLA reduces over ``data`` one by one; the step sums them on each
+    device and reduces once, at the ring bound of the parameters. Never more bytes than XLA's
+    own pass on any model (llama_style reads each parameter once, the ViT convolves)."""
+    from zoo import ZOO
+    from zoo_factories import trainer
+
+    batch = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in ZOO[name].batch(0).items()}
+    step = trainer(name, optax.adamw(1e-3), layout)
+    xla = trainer(name, optax.adamw(1e-3), layout, reduce_gradients="per_microbatch")  # K=1: XLA's one pass
+    ours, theirs = data_gradient_bytes(step, batch), data_gradient_bytes(xla, batch)
+    assert ours <= theirs * 1.001
+    if name in ("gemma_style", "encoder_decoder"):
+        assert ours == pytest.approx(reduction_bound(step), rel=0.01)
+        assert theirs > 1.03 * ours  # what reducing each use's part costs: the test can tell
+
+
+def test_a_tied_gpt_reduced_once_equals_one_device():
+    cfg = GPTConfig.preset("tiny", tie_embeddings=True)
+    graphdef = nnx.graphdef(GPT(cfg, rngs=nnx.Rngs(0)))
+
+    def init(key):
+        return nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(key)), nnx.Param))
+
+    def loss_fn(logits, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
+    forward = lambda p, batch: nnx.merge(graphdef, p)(batch["tokens"][:, :-1])
+    ref_losses, ref_params = reference_training(init, forward, loss_fn, optax.sgd(0.3), BATCHES)
+    trainer = sk.Trainer(cfg.model(), optax.sgd(0.3), "data=4,tensor=2")
+    losses, params = run_trainer(trainer, BATCHES)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-6)
+    assert data_gradient_bytes(trainer, SHAPE) == pytest.approx(reduction_bound(trainer), rel=0.01)

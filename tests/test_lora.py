@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen, nnx
 from safetensors.numpy import load_file
 
 import shardkit as sk
@@ -375,6 +376,125 @@ def test_lora_on_a_users_nnx_model_trains_the_adapters_alone_as_one_device(name,
         {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in entry.batch(0).items()}
     )
     assert moments <= report.memory.optimizer <= moments + 64
+
+
+# Layers stacked by nnx.vmap and applied by nnx.scan, or scanned by Linen's nn.scan: each
+# projection's kernel is (layers, in, out), and so must its adapters be.
+D, LAYERS, V = 32, 3, 64
+
+
+def _names(*axes):
+    return nnx.with_partitioning(nnx.initializers.lecun_normal(), axes)
+
+
+class StackedBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(D, 4 * D, kernel_init=_names("embed", "mlp"), rngs=rngs)
+        self.down = nnx.Linear(4 * D, D, kernel_init=_names("mlp", "embed"), rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(nnx.relu(self.up(x)))
+
+
+class StackedLM(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make(rngs):
+            return StackedBlock(rngs)
+
+        self.blocks = make(rngs)
+        self.head = nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def body(block, x):
+            return block(x)
+
+        return self.head(body(self.blocks, self.embed(tokens)))
+
+
+class LinenBlock(linen.Module):
+    @linen.compact
+    def __call__(self, x, _):
+        init = lambda *axes: linen.with_logical_partitioning(linen.initializers.lecun_normal(), axes)
+        h = linen.relu(linen.Dense(4 * D, kernel_init=init("embed", "mlp"), name="up")(x))
+        return x + linen.Dense(D, kernel_init=init("mlp", "embed"), name="down")(h), None
+
+
+class ScannedLinenLM(linen.Module):
+    @linen.compact
+    def __call__(self, tokens):
+        scanned = linen.scan(
+            LinenBlock,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=LAYERS,
+            metadata_params={linen.PARTITION_NAME: "layers"},
+        )
+        x, _ = scanned(name="blocks")(linen.Embed(V, D, name="embed")(tokens), None)
+        return linen.Dense(V, name="head")(x)
+
+
+def stacked_reference(params: dict, scale: float) -> list[float]:
+    """Plain JAX + optax on one device: layer ``l`` computes with slice ``l`` of every stacked
+    kernel and adapter; AdamW on the adapters alone."""
+    base, adapters = split_adapters(jax.device_get(params))
+    from shardkit.models.peft import join_adapters
+
+    def dense(p, x):
+        out = x @ p["kernel"] + p["bias"]
+        return out + scale * (x @ p["lora_a"]) @ p["lora_b"] if "lora_a" in p else out
+
+    def loss(adapters, tokens):
+        p = join_adapters(base, adapters)
+        x = p["embed"]["embedding"][tokens[:, :-1]]
+        for layer in range(LAYERS):
+            block = jax.tree.map(lambda a, i=layer: a[i], p["blocks"])
+            x = x + dense(block["down"], jax.nn.relu(dense(block["up"], x)))
+        logits = dense(p["head"], x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    tx = optax.adamw(1e-2)
+    opt_state, losses = tx.init(adapters), []
+    for tokens in stacked_batches():
+        value, grads = jax.value_and_grad(loss)(adapters, tokens)
+        updates, opt_state = tx.update(grads, opt_state, adapters)
+        adapters = optax.apply_updates(adapters, updates)
+        losses.append(float(value))
+    return losses
+
+
+def stacked_batches() -> list[np.ndarray]:
+    return [np.random.default_rng(step).integers(0, V, (8, 17)).astype(np.int32) for step in range(3)]
+
+
+@pytest.mark.parametrize("style", ["nnx.vmap + nnx.scan", "linen.scan"])
+def test_lora_on_stacked_layers_gives_each_layer_its_own_adapters(style):
+    """Adapters on projections whose layers are stacked get the stack's leading dimension (named
+    as the kernel's, so split alike), and a LoRA run equals plain JAX on one device that slices
+    layer by layer."""
+    lora = LoRA(rank=4, alpha=8)
+    if style == "linen.scan":
+        model = sk.with_lora(ScannedLinenLM(), np.zeros((2, 16), np.int32), targets=r"blocks/(up|down)$", lora=lora)
+    else:
+        model = sk.with_lora(lambda rngs: StackedLM(rngs), targets=r"blocks/(up|down)$", lora=lora)
+    shapes = model.abstract_params()["blocks"]
+    assert shapes["up"]["lora_a"].shape == (LAYERS, D, 4) and shapes["down"]["lora_b"].shape == (LAYERS, 4, D)
+    trainer = sk.Trainer(model, optax.adamw(1e-2), "data=2,fsdp=2,tensor=2")
+    assert "tensor" in str(trainer.param_specs["blocks"]["up"]["lora_b"])  # B split as the kernel's out
+    state = trainer.init(0)
+    reference = stacked_reference(state.params, lora.scale)
+    losses = []
+    for tokens in stacked_batches():
+        state, metrics = trainer.step(state, trainer.shard_batch({"tokens": tokens}))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, reference, rtol=2e-5)
+    adapters = split_adapters(jax.device_get(state.params))[1]
+    b = adapters["blocks"]["up"]["lora_b"]
+    assert not np.allclose(b[0], b[1])  # each layer trained its own slice
 
 
 def test_lora_targets_that_match_nothing_are_refused():

@@ -113,14 +113,15 @@ def _adapter_shapes(module: Any) -> tuple[tuple[int, ...], tuple[int, ...], Call
     B to the kernel's output dimensions, laid out as the module's own output."""
     kernel = module.kernel[...]
     if isinstance(module, nnx.Linear):
-        return kernel.shape[:1], kernel.shape[1:], lambda x, a, b: (x @ a) @ b
+        shape = kernel.shape[kernel.ndim - 2 :]
+        return shape[:1], shape[1:], lambda x, a, b: (x @ a) @ b
     x_spec, k_spec, out_spec = _einsum_parts(module.einsum_str)
     letters = set(x_spec + k_spec + out_spec)
     r = next(c for c in "rRzZqQ" if c not in letters)  # the adapters' inner dimension
     contracted = "".join(c for c in k_spec if c in x_spec and c not in out_spec)
     produced = "".join(c for c in k_spec if c in out_spec)
     rest = "".join(c for c in x_spec if c not in contracted)
-    sizes = dict(zip(k_spec, kernel.shape, strict=True))
+    sizes = dict(zip(k_spec, kernel.shape[kernel.ndim - len(k_spec) :], strict=True))
     to_r, from_r = f"{x_spec},{contracted}{r}->{rest}{r}", f"{rest}{r},{r}{produced}->{out_spec}"
 
     def delta(x: Any, a: Any, b: Any) -> Any:
@@ -146,7 +147,9 @@ def _adapted_class(cls: type) -> type:
 def add_adapters(module: nnx.Module, lora: LoRA, targets: str, rngs: nnx.Rngs) -> list[str]:
     """Give each ``nnx.Linear`` / ``nnx.Einsum`` of ``module`` whose path matches ``targets`` (a
     regex, ``re.search``) LoRA adapters ``lora_a`` and ``lora_b``, named as its kernel's input and
-    output dimensions. Returns the adapted paths (an error when none matches)."""
+    output dimensions. A module created by ``nnx.vmap`` (layers stacked for ``nnx.scan``) has
+    leading stacked dimensions on its kernel; its adapters get the same ones, named alike, so
+    the scan slices them layer by layer. Returns the adapted paths (an error when none matches)."""
     adapted = []
     for path, sub in nnx.iter_modules(module):
         name = "/".join(str(p) for p in path)
@@ -154,7 +157,10 @@ def add_adapters(module: nnx.Module, lora: LoRA, targets: str, rngs: nnx.Rngs) -
             continue
         ins, outs, delta = _adapter_shapes(sub)
         meta = sub.kernel.get_metadata()
-        names = tuple(meta.get(_FLAX_NAMES_KEY) or (None,) * sub.kernel[...].ndim)
+        kernel_shape = sub.kernel[...].shape
+        names = tuple(meta.get(_FLAX_NAMES_KEY) or (None,) * len(kernel_shape))
+        stacked = len(kernel_shape) - (2 if isinstance(sub, nnx.Linear) else len(_einsum_parts(sub.einsum_str)[1]))
+        stack, stack_names, names = kernel_shape[:stacked], names[:stacked], names[stacked:]
         in_names, out_names = names[: len(ins)], names[len(names) - len(outs) :]
         if isinstance(sub, nnx.Einsum):  # the kernel's own order: input letters and output letters
             _, k_spec, out_spec = _einsum_parts(sub.einsum_str)
@@ -163,14 +169,16 @@ def add_adapters(module: nnx.Module, lora: LoRA, targets: str, rngs: nnx.Rngs) -
             in_names = tuple(by_letter[c] for c in k_spec if c in x_spec and c not in out_spec)
             out_names = tuple(by_letter[c] for c in k_spec if c in out_spec)
         extra = {k: v for k, v in meta.items() if k != _FLAX_NAMES_KEY}  # shardkit's marker, eager_sharding
-        fan_in = tuple(range(len(ins)))
-        a_init = nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=fan_in, out_axis=-1)
+        fan_in = tuple(range(stacked, stacked + len(ins)))
+        a_init = nnx.initializers.variance_scaling(
+            1 / 3, "fan_in", "uniform", in_axis=fan_in, out_axis=-1, batch_axis=tuple(range(stacked))
+        )
         dtype = sub.kernel[...].dtype
-        a = a_init(rngs.params(), (*ins, lora.rank), dtype)
-        b = jnp.zeros((lora.rank, *outs), dtype)
+        a = a_init(rngs.params(), (*stack, *ins, lora.rank), dtype)
+        b = jnp.zeros((*stack, lora.rank, *outs), dtype)
         target: Any = sub
-        a_meta: dict[str, Any] = {**extra, _FLAX_NAMES_KEY: (*in_names, None)}
-        b_meta: dict[str, Any] = {**extra, _FLAX_NAMES_KEY: (None, *out_names)}
+        a_meta: dict[str, Any] = {**extra, _FLAX_NAMES_KEY: (*stack_names, *in_names, None)}
+        b_meta: dict[str, Any] = {**extra, _FLAX_NAMES_KEY: (*stack_names, None, *out_names)}
         target.lora_a, target.lora_b = nnx.Param(a, **a_meta), nnx.Param(b, **b_meta)
         target.lora_delta, target.lora_scale = delta, lora.scale
         target.__class__ = _adapted_class(type(sub))

@@ -114,7 +114,9 @@ class Trainer:
         rows' gradients first), ``"per_microbatch"`` inside the loop (in each backward slot), or
         ``"auto"`` (default): once where that costs no memory (no batch axis splits the
         parameters) and the model allows it, per microbatch otherwise. ``trainer.accumulation``
-        says which was used, and why (see :mod:`shardkit.training.accumulation`).
+        says which was used, and why (see :mod:`shardkit.training.accumulation`). Without
+        microbatches, ``"auto"`` and ``"once"`` also reduce once where the model reads a
+        parameter twice (a tied embedding table: XLA would reduce each use's gradient part).
 
     Example:
       >>> import optax, shardkit as sk
