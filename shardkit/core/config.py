@@ -151,7 +151,8 @@ class TrainConfig:
     reduce_gradients: str = setting(
         "auto",
         "with --microbatches >1, when the devices reduce the gradients: once per step, per_microbatch, or auto "
-        "(once where no batch axis splits the parameters)",
+        "(once where no batch axis splits the parameters; without microbatches auto also reduces a parameter the "
+        "model reads twice once, per_microbatch keeps XLA's pass)",
         choices=REDUCE_GRADIENTS,
     )
     schedule: str | None = setting(None, "pipeline schedule with stage>1 (default 1f1b)", choices=SCHEDULES)

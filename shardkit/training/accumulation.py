@@ -306,7 +306,7 @@ def choose(
     per_microbatch, once = reducing(()), reducing(axes)
 
     def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
-        found = _traced_reason(model, loss, precision, plan, params, batch, key, microbatches, axes)
+        found = _trace(model, loss, precision, plan, params, batch, key, microbatches, axes)[1]
         if found and reduce == "once":
             raise ModelError(
                 f"reduce_gradients='once' with model {model.name}: {found}. Fix: draw dropout with "
@@ -436,21 +436,6 @@ def _layout_reason(plan: ShardingPlan, axes: tuple[str, ...], reduce: str) -> st
             "reduce-scatter per step)"
         )
     return ""
-
-
-def _traced_reason(
-    model: Model,
-    loss: LossFn,
-    precision: Precision,
-    plan: ShardingPlan,
-    params: Params,
-    batch: Batch,
-    key: jax.Array,
-    microbatches: int,
-    axes: tuple[str, ...],
-) -> str:
-    """Why the model, as traced on one microbatch, must be reduced per microbatch ("" if not)."""
-    return _trace(model, loss, precision, plan, params, batch, key, microbatches, axes)[1]
 
 
 def _trace(

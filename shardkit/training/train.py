@@ -116,7 +116,8 @@ class Trainer:
         parameters) and the model allows it, per microbatch otherwise. ``trainer.accumulation``
         says which was used, and why (see :mod:`shardkit.training.accumulation`). Without
         microbatches, ``"auto"`` and ``"once"`` also reduce once where the model reads a
-        parameter twice (a tied embedding table: XLA would reduce each use's gradient part).
+        parameter twice (a tied embedding table: XLA would reduce each use's gradient part);
+        ``"per_microbatch"`` keeps XLA's one pass.
 
     Example:
       >>> import optax, shardkit as sk
