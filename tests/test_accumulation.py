@@ -318,14 +318,14 @@ def masked_batches() -> list[dict]:
     return out
 
 
-def token_weighted_reference(lr: float, batches: list[dict]) -> tuple[list[float], dict]:
+def token_weighted_reference(lr: float, batches: list[dict], cfg: GPTConfig = PLAIN) -> tuple[list[float], dict]:
     """One device, plain jax and optax, the whole batch in one pass: the loss is the sum of the
     scored tokens' cross-entropies over their number. A row of one document followed by
     padding needs no segment mask: causal attention never reads the padding after a token."""
-    graphdef = nnx.graphdef(GPT(PLAIN, rngs=nnx.Rngs(0)))
+    graphdef = nnx.graphdef(GPT(cfg, rngs=nnx.Rngs(0)))
 
     def init(key):
-        return nnx.to_pure_dict(nnx.state(GPT(PLAIN, rngs=nnx.Rngs(key)), nnx.Param))
+        return nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(key)), nnx.Param))
 
     def loss_fn(logits, batch):
         seg, mask = batch["segments"], batch["loss_mask"]
@@ -414,3 +414,15 @@ def test_a_tied_gpt_reduced_once_equals_one_device():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-6)
     assert data_gradient_bytes(trainer, SHAPE) == pytest.approx(reduction_bound(trainer), rel=0.01)
+
+
+def test_a_tied_gpt_reduced_once_weighs_each_devices_rows_by_their_scored_tokens():
+    """Without microbatches, the one reduction of a tied model weighs each device's block of rows
+    by the tokens it scores under a loss mask: the loss of one pass over the whole batch."""
+    cfg = GPTConfig.preset("tiny", tie_embeddings=True)
+    batches = masked_batches()
+    ref_losses, ref_params = token_weighted_reference(0.3, batches, cfg)
+    trainer = sk.Trainer(cfg.model(), optax.sgd(0.3), "data=4,tensor=2")
+    losses, params = run_trainer(trainer, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-6)
