@@ -301,10 +301,11 @@ def test_zero_stages_reduce_once_onto_the_optimizers_shards():
 PLAIN = GPTConfig.preset("tiny")
 
 
-def masked_batches() -> list[dict]:
+def masked_batches(fractional: bool = False) -> list[dict]:
     """Rows scoring very different numbers of tokens: row r is padding (segment 0) from
     ``lengths[r]`` on and a prompt (loss_mask 0) for its first ``prompts[r]`` tokens. Microbatch
-    ``j`` takes rows ``j::K``, so the microbatches' counts differ about fourfold."""
+    ``j`` takes rows ``j::K``, so the microbatches' counts differ about fourfold. ``fractional``:
+    the completion tokens weigh float32 values in [0.1, 2) (whose sums no int count holds)."""
     out = []
     for step, b in enumerate(BATCHES):
         rng = np.random.default_rng(step)
@@ -314,6 +315,8 @@ def masked_batches() -> list[dict]:
         positions = np.arange(T + 1)[None, :]
         segments = (positions < lengths[:, None]).astype(np.int32)
         loss_mask = (positions >= prompts[:, None]).astype(np.int32)
+        if fractional:
+            loss_mask = (loss_mask * rng.uniform(0.1, 2.0, loss_mask.shape)).astype(np.float32)
         out.append({"tokens": b["tokens"], "segments": segments, "loss_mask": loss_mask})
     return out
 
@@ -329,7 +332,7 @@ def token_weighted_reference(lr: float, batches: list[dict], cfg: GPTConfig = PL
 
     def loss_fn(logits, batch):
         seg, mask = batch["segments"], batch["loss_mask"]
-        weight = ((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0) & (mask[:, 1:] == 1)).astype(jnp.float32)
+        weight = ((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)).astype(jnp.float32) * mask[:, 1:]
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
         return (ce * weight).sum() / weight.sum()
 
@@ -363,6 +366,26 @@ def test_microbatches_with_loss_masks_give_the_token_weighted_loss(layout, reduc
         [float(token_weighted_reference(0.0, [{k: v[j::K] for k, v in batches[0].items()}])[0][0]) for j in range(K)]
     )
     assert abs(losses[0] - unweighted) > 1e-3  # the mean of K means differs: the test can tell
+
+
+@pytest.mark.parametrize("layout,reduce,schedule,reduces", [MASKED[0], MASKED[1], MASKED[2]])
+def test_fractional_loss_weights_weigh_microbatches_by_their_sums(layout, reduce, schedule, reduces):
+    """A ``loss_mask`` of float weights: each microbatch's weighted mean weighs the sum of its
+    weights (kept as a float32 count, not truncated), so K microbatches give one pass's loss."""
+    batches = masked_batches(fractional=True)
+    ref_losses, ref_params = token_weighted_reference(0.3, batches)
+    trainer = sk.Trainer(
+        PLAIN.model(), optax.sgd(0.3), layout, microbatches=K, reduce_gradients=reduce, schedule=schedule
+    )
+    losses, params = run_trainer(trainer, batches)
+    assert trainer.accumulation.reduces == reduces
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-6)
+    scored = trainer.evaluate(trainer.init(0), trainer.shard_batch(batches[0]))["tokens"]
+    assert scored.dtype == jnp.float32
+    seg, mask = batches[0]["segments"], batches[0]["loss_mask"]
+    want = (((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)) * mask[:, 1:]).sum()
+    np.testing.assert_allclose(float(scored), want, rtol=1e-5)
 
 
 # -- a parameter read twice, without microbatches ---------------------------------------------

@@ -118,6 +118,8 @@ def test_what_cannot_pack_is_refused_by_name():
         trainer.shard_batch({**batch, "segments": batch["segments"][:, :-1]})
     with pytest.raises(InputError, match="integers >= 0"):
         trainer.shard_batch({**batch, "segments": -batch["segments"]})
+    with pytest.raises(InputError, match=r"batch\['loss_mask'\] must hold weights >= 0"):
+        trainer.shard_batch({**batch, "loss_mask": np.full(batch["tokens"].shape, -0.5, np.float32)})
     ring = sk.Trainer(CONFIGS["plain"].model(), optax.adamw(1e-3), "data=2,sequence=2,tensor=2")
     with pytest.raises(ModelError, match=r"packed rows \(batch\['segments'\]\)"):
         ring.step(ring.init(0), ring.shard_batch(batch))

@@ -90,6 +90,15 @@ def check_host_batch(
                     f"batch['segments'] must hold integers >= 0 (0: padding, 1..k: the document of each token), "
                     f"got {segments.dtype} values from {segments.min() if segments.size else '-'}."
                 )
+        if "loss_mask" in batch:
+            weights = np.asarray(batch["loss_mask"])
+            if weights.dtype == np.bool_ or weights.size == 0:
+                pass
+            elif not np.issubdtype(weights.dtype, np.number) or weights.min() < 0:
+                raise InputError(
+                    f"batch['loss_mask'] must hold weights >= 0 (0: not scored, 1: scored, or a fraction), got "
+                    f"{weights.dtype} values from {weights.min()}. Fix: build it with np.float32 or np.int32 weights."
+                )
     for name, value in batch.items():
         dtype = getattr(value, "dtype", None)
         if dtype is None:

@@ -57,6 +57,7 @@ def pipeline_value_and_grad(
     row_axes: tuple[str, ...] = (),
     micro_rows: Any = None,
     total_count: jax.Array | None = None,
+    count_dtype: Any = jnp.int32,
 ) -> tuple[jax.Array, jax.Array, Any, Any]:
     """Mean loss over microbatches and its gradients, computed by a pipeline over ``axis``.
 
@@ -87,6 +88,7 @@ def pipeline_value_and_grad(
         each microbatch's (or device block's) mean loss is then weighted by its count over
         this total (a token-weighted mean where microbatches score different numbers of
         tokens), instead of ``1 / m`` each.
+      count_dtype: the dtype the counts are summed in (float32 for fractional loss weights).
 
     Returns:
       ``(mean loss, total count, gradients of layer_params, gradients of shared_params)``,
@@ -204,7 +206,7 @@ def pipeline_value_and_grad(
                 "g_layers": g_layers,
                 "g_shared": g_shared,
                 "loss": carry["loss"] + jnp.where(valid, loss.astype(jnp.float32), 0.0),
-                "count": carry["count"] + jnp.where(last, count, 0).astype(jnp.int32),
+                "count": carry["count"] + jnp.where(last, count, 0).astype(count_dtype),
                 "dx_recv": jax.lax.ppermute(dx, axis, up),
             }
 
@@ -229,7 +231,7 @@ def pipeline_value_and_grad(
             "g_layers": zeros_f32(layers),
             "g_shared": zeros_f32(shared),
             "loss": jnp.zeros((), jnp.float32),
-            "count": jnp.zeros((), jnp.int32),
+            "count": jnp.zeros((), count_dtype),
         }
         # Every stage's carry differs from the others' (scan needs that said up front).
         carry = jax.tree.map(lambda a: jax.lax.pcast(a, (axis,), to="varying"), carry)

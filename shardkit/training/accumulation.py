@@ -51,7 +51,7 @@ from shardkit.models.model import Model, Params
 from shardkit.parallel.embedding_gradients import Tables
 from shardkit.parallel.input_gradients import reduce_input_gradients_once
 from shardkit.parallel.schedule import Schedule
-from shardkit.training.losses import Batch, LossFn
+from shardkit.training.losses import Batch, LossFn, scored_dtype
 from shardkit.training.steps import (
     GradsFn,
     counts_differ,
@@ -151,7 +151,7 @@ def accumulated_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan) 
             grad_sum = plan.constrain(jax.tree.map(lambda a, b: a + w * b.astype(jnp.float32), grad_sum, g), shardings)
             return (grad_sum, loss_sum + w * value, count_sum + count, state), None
 
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), model_state)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), scored_dtype(batch)), model_state)
         (grad_sum, loss_sum, count, state), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
         total = jnp.maximum(count.astype(jnp.float32), 1.0) if weighted else microbatches
         return loss_sum / total, count, jax.tree.map(lambda g: g / total, grad_sum), state
@@ -235,7 +235,7 @@ def once_reduced_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan,
                 loss_sum = loss_sum + value.mean()
             return (plan.constrain(grad_sum, sums_at), loss_sum, count_sum + count.sum()), None
 
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), scored_dtype(batch)))
         (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
         total = jnp.maximum(count.astype(jnp.float32), 1.0) if weighted else microbatches * n
         with jax.named_scope(GRADIENT_REDUCTION_SCOPE):  # the report counts it as backward traffic

@@ -29,12 +29,12 @@ def next_token_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> 
       batch: ``{"tokens": (B, T + 1) int32}``, and optionally, shaped as ``tokens``:
         ``"segments"`` (int: 0 padding, 1..k the document of each token in its row; packed rows
         attend within a document, :mod:`shardkit.models.segments`) and ``"loss_mask"`` (the
-        weight of predicting each token: 0 for a prompt, 1 for a completion).
+        weight of predicting each token: 0 for a prompt, 1 for a completion, or any weight >= 0).
 
     Returns:
       ``(loss, number of scored tokens)``: the loss is the weighted mean over the predictions
       whose target is not padding and lies in the same document as its input, times
-      ``loss_mask`` of the target; the count is the sum of those weights.
+      ``loss_mask`` of the target; the count is the sum of those weights (:func:`scored_dtype`).
     """
     tokens = batch["tokens"]
     segments, mask = batch.get("segments"), batch.get("loss_mask")
@@ -52,7 +52,21 @@ def next_token_loss(forward: Callable[[jax.Array], jax.Array], batch: Batch) -> 
         weight = weight * mask[:, 1:].astype(jnp.float32)
     weight = like(weight, losses)
     scored = weight.sum()
-    return (losses * weight).sum() / jnp.maximum(scored, 1.0) + aux, scored.astype(jnp.int32)
+    return (losses * weight).sum() / jnp.maximum(scored, 1.0) + aux, scored.astype(scored_dtype(batch))
+
+
+def scored_dtype(batch: Batch) -> Any:
+    """The dtype of the count a loss of ``batch`` averages over: float32 where a ``loss_mask``
+    holds fractional weights (the count is their sum, which microbatches are weighted by), int32
+    otherwise (a number of tokens, exact past float32's 2**24).
+
+    Example:
+      >>> import numpy as np
+      >>> scored_dtype({"tokens": np.zeros((2, 5), np.int32), "loss_mask": np.full((2, 5), 0.5, np.float32)})
+      <class 'jax.numpy.float32'>
+    """
+    mask = batch.get("loss_mask")
+    return jnp.float32 if mask is not None and jnp.issubdtype(mask.dtype, jnp.floating) else jnp.int32
 
 
 def like(x: jax.Array, reference: jax.Array) -> jax.Array:

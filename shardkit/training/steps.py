@@ -34,7 +34,7 @@ from shardkit.core.state import TrainState, frozen_in, next_master, update_targe
 from shardkit.models.model import Model, Params, apply_model
 from shardkit.parallel.pipeline import pipeline_value_and_grad
 from shardkit.parallel.schedule import Schedule, make_schedule
-from shardkit.training.losses import Batch, LossFn
+from shardkit.training.losses import Batch, LossFn, scored_dtype
 
 GradsFn = Callable[[Params, Any, Batch, jax.Array], tuple[jax.Array, jax.Array, Params, Any]]
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
@@ -321,6 +321,7 @@ def pipelined_grads(
             row_axes=row_axes,
             micro_rows=rows,
             total_count=total,
+            count_dtype=scored_dtype(batch),
         )
         grads = {**g_shared, stages.layers: g_layers}
         if row_axes:
