@@ -22,6 +22,7 @@ from shardkit.core.errors import CheckpointError, InputError, ModelError
 from shardkit.core.partition import named
 from shardkit.models.lora import LoRA
 from shardkit.models.peft import split_adapters
+from helpers import assert_trees_close, run_trainer
 
 REFERENCE = pathlib.Path(__file__).parent / "fixtures" / "hf_reference"
 TOKENS = np.load(REFERENCE / "tokens.npy").astype(np.int32)
@@ -403,12 +404,14 @@ class LinenBlock(linen.Module):
 
 
 class ScannedLinenLM(linen.Module):
+    split_dropout: bool = True  # a dropout RNG for each layer (adapter dropout needs one; False: none passed)
+
     @linen.compact
     def __call__(self, tokens):
         scanned = linen.scan(
             LinenBlock,
             variable_axes={"params": 0},
-            split_rngs={"params": True},
+            split_rngs={"params": True, **({"dropout": True} if self.split_dropout else {})},
             length=LAYERS,
             metadata_params={linen.PARTITION_NAME: "layers"},
         )
@@ -505,3 +508,59 @@ def test_lora_dropout_drops_the_adapters_input_in_training_alike_on_every_layout
     assert dropped[0] == pytest.approx(results[0.5, "data=2,fsdp=2,tensor=2"][0], rel=1e-5)
     assert abs(dropped[0] - kept[0]) > 1e-4  # training dropped something
     assert dropped[1] == pytest.approx(results[0.5, "data=2,fsdp=2,tensor=2"][1], rel=1e-5)
+
+
+def _stacked_lora(style: str, rate: float) -> sk.Model:
+    lora = LoRA(rank=4, alpha=8, dropout=rate)
+    if style == "linen.scan":
+        return sk.with_lora(ScannedLinenLM(), np.zeros((2, 16), np.int32), targets=r"blocks/(up|down)$", lora=lora)
+    return sk.with_lora(lambda rngs: StackedLM(rngs), targets=r"blocks/(up|down)$", lora=lora)
+
+
+@pytest.mark.parametrize("style", ["nnx.vmap + nnx.scan", "linen.scan"])
+def test_lora_dropout_on_your_own_model_drops_in_training_alike_on_every_layout(style):
+    """``with_lora(..., lora=LoRA(dropout=p))`` on a user's NNX or Linen model: the adapters'
+    input is dropped in training (so the run departs from p=0 once B has moved off zero), the
+    bits are the same on any layout and when the step reduces once over each device's rows,
+    and evaluating drops nothing."""
+    rows = stacked_batches()
+    batches = [{"tokens": np.concatenate([rows[i], rows[i - 1]])} for i in range(len(rows))]  # 16 rows
+    runs = {}
+    for rate, layout, micro, reduce in (
+        (0.0, "data=8", 1, "auto"),
+        (0.5, "data=8", 1, "auto"),
+        (0.5, "data=2,fsdp=2,tensor=2", 1, "auto"),
+        (0.5, "data=8", 2, "once"),
+        (0.5, "data=8", 2, "per_microbatch"),
+    ):
+        trainer = sk.Trainer(
+            _stacked_lora(style, rate), optax.sgd(0.5), layout, microbatches=micro, reduce_gradients=reduce
+        )
+        losses, params = run_trainer(trainer, batches)
+        held = float(trainer.evaluate(params, trainer.shard_batch(batches[0]))["loss"])
+        runs[rate, layout, micro, reduce] = losses, held, params, trainer
+    kept, dropped = runs[0.0, "data=8", 1, "auto"], runs[0.5, "data=8", 1, "auto"]
+    b_dropped, b_kept = (split_adapters(run[2])[1]["blocks"]["up"]["lora_b"] for run in (dropped, kept))
+    assert np.abs(b_dropped - b_kept).max() > 0.1 * np.abs(b_kept).max()  # training dropped something
+    np.testing.assert_allclose(dropped[0], runs[0.5, "data=2,fsdp=2,tensor=2", 1, "auto"][0], rtol=1e-5)
+    once, each = runs[0.5, "data=8", 2, "once"], runs[0.5, "data=8", 2, "per_microbatch"]
+    assert once[3].accumulation.reduces == "once"
+    np.testing.assert_allclose(once[0], each[0], rtol=1e-5)  # a vmap over rows draws the microbatch's bits
+    assert_trees_close(once[2], each[2], rtol=1e-4, atol=1e-6)
+    # Evaluating drops nothing: the dropout-trained adapters score as on a model without dropout.
+    plain = runs[0.0, "data=8", 1, "auto"][3]
+    assert dropped[1] == pytest.approx(
+        float(plain.evaluate(dropped[2], plain.shard_batch(batches[0]))["loss"]), rel=1e-6
+    )
+
+
+def test_lora_dropout_inside_a_linen_scan_without_a_dropout_rng_is_refused_by_name():
+    lora = LoRA(rank=4, alpha=8, dropout=0.5)
+    model = sk.with_lora(
+        ScannedLinenLM(split_dropout=False), np.zeros((2, 16), np.int32), targets=r"blocks/(up|down)$", lora=lora
+    )
+    trainer = sk.Trainer(model, optax.sgd(0.5), "data=8")
+    batch = trainer.shard_batch({"tokens": stacked_batches()[0]})
+    with pytest.raises(ModelError, match=r"LoRA dropout on 'blocks/up'.*split_rngs=\{'params': True, 'dropout': True\}"):
+        trainer.step(trainer.init(0), batch)
+    trainer.evaluate(trainer.init(0), batch)  # evaluating draws nothing: no RNG needed

@@ -20,17 +20,21 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from shardkit.core.errors import ModelError
 from shardkit.core.partition import _FLAX_NAMES_KEY
+from shardkit.models.dropout import dropout
 from shardkit.models.model import Model
 
 # The projections of a decoder layer, as peft's target_modules name them, and the short name
@@ -55,9 +59,10 @@ class LoRA:
       rank: ``r``, the adapters' inner size (>= 1).
       alpha: the scale's numerator (peft's ``lora_alpha``).
       targets: peft's ``target_modules`` among :data:`TARGETS`.
-      dropout: peft's ``lora_dropout``: in training, the input of each adapter of shardkit's GPT
-        is dropped at this rate (the bits follow the rows, so they are the same on any layout);
-        ``with_lora`` models apply none yet.
+      dropout: peft's ``lora_dropout``: in training, the input of each adapter is dropped at
+        this rate (the base projection sees it whole). In shardkit's GPT and NNX models the bits
+        come from the step's key and follow the rows, so they are the same on any layout; a
+        Linen model draws them from its ``dropout`` stream as its own ``nn.Dropout`` would.
     """
 
     rank: int = 8
@@ -130,6 +135,31 @@ def _adapter_shapes(module: Any) -> tuple[tuple[int, ...], tuple[int, ...], Call
     return tuple(sizes[c] for c in contracted), tuple(sizes[c] for c in produced), delta
 
 
+class AdapterDropout(nnx.Dropout):
+    """peft's ``lora_dropout`` on an NNX adapter's input: an ``nnx.Dropout`` (train and eval modes
+    as ``model.train()`` / ``nnx.view(..., deterministic=True)`` set them) whose bits are drawn by
+    :func:`shardkit.models.dropout.dropout`, so they follow the rows: the same on any layout and
+    when a step vmaps over each device's rows to reduce gradients once."""
+
+    def __call__(self, inputs: Any, *, deterministic: bool | None = None, rngs: Any = None) -> Any:
+        off = self.deterministic if deterministic is None else deterministic
+        if off or self.rate == 0.0:
+            return inputs
+        return dropout(inputs, self.rate, self.rngs())
+
+
+def _adapter_dropout(rate: float, stack: tuple[int, ...], index: int) -> AdapterDropout:
+    """An :class:`AdapterDropout` with its own RNG stream, keyed by the adapter's ``index`` (in a
+    shardkit step each call's key comes from the step's key alone; the model's ``rngs`` are
+    left alone, so the adapters initialize as without dropout). Stacked layers get one key per
+    layer, so ``nnx.scan`` gives each layer its own mask."""
+    module = AdapterDropout(rate)
+    key = jax.random.key(index)
+    keys = jax.random.split(key, math.prod(stack)).reshape(stack) if stack else key
+    module.rngs = nnx.RngStream(keys, tag="dropout")
+    return module
+
+
 def _adapted_class(cls: type) -> type:
     """A subclass whose ``__call__`` adds ``(alpha / r) (x A) B`` to the module's own output."""
     if cls not in _ADAPTED:
@@ -138,7 +168,8 @@ def _adapted_class(cls: type) -> type:
         def __call__(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
             out = original(self, x, *args, **kwargs)
             a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
-            return out + self.lora_delta(x, a, b) * jnp.asarray(self.lora_scale, x.dtype)
+            dropped = self.lora_dropout(x) if self.lora_dropout is not None else x  # peft: the adapter's input only
+            return out + self.lora_delta(dropped, a, b) * jnp.asarray(self.lora_scale, x.dtype)
 
         _ADAPTED[cls] = type(cls)(f"LoRA{cls.__name__}", (cls,), {"__call__": __call__, "__module__": cls.__module__})
     return _ADAPTED[cls]
@@ -181,6 +212,7 @@ def add_adapters(module: nnx.Module, lora: LoRA, targets: str, rngs: nnx.Rngs) -
         b_meta: dict[str, Any] = {**extra, _FLAX_NAMES_KEY: (*stack_names, None, *out_names)}
         target.lora_a, target.lora_b = nnx.Param(a, **a_meta), nnx.Param(b, **b_meta)
         target.lora_delta, target.lora_scale = delta, lora.scale
+        target.lora_dropout = _adapter_dropout(lora.dropout, stack, len(adapted)) if lora.dropout else None
         target.__class__ = _adapted_class(type(sub))
         adapted.append(name)
     if not adapted:
@@ -239,6 +271,9 @@ def with_lora(make: Any, *example_inputs: Any, targets: str, lora: LoRA | None =
 
 # -- LoRA on any Linen model -------------------------------------------------------------------
 
+# Whether the Linen call running now trains (the step gave it a key): adapter dropout then applies.
+_LINEN_TRAINING: contextvars.ContextVar[bool] = contextvars.ContextVar("linen_lora_training", default=False)
+
 
 def _linen_interceptor(lora: LoRA, targets: str, adapted: set[str]) -> Callable[..., Any]:
     """An ``nn.intercept_methods`` interceptor that gives each ``nn.Dense`` / ``nn.DenseGeneral``
@@ -277,6 +312,14 @@ def _linen_interceptor(lora: LoRA, targets: str, adapted: set[str]) -> Callable[
         b = nn.meta.unbox(module.param("lora_b", b_init, (lora.rank, *outs), out.dtype))
         adapted.add(path)
         batch = [d for d in range(x.ndim) if d not in contracted]
+        if lora.dropout and _LINEN_TRAINING.get():
+            if module.scope is None or not module.scope.has_rng("dropout"):
+                raise ModelError(
+                    f"LoRA dropout on {path!r}: the 'dropout' RNG does not reach it (nn.scan and nn.vmap pass only "
+                    "the RNGs their split_rngs names). Fix: split_rngs={'params': True, 'dropout': True} on the "
+                    "scan, or LoRA(dropout=0.0)."
+                )
+            x = dropout(x, lora.dropout, module.make_rng("dropout"))
         xa = jnp.tensordot(x, a.astype(x.dtype), axes=(contracted, tuple(range(len(ins)))))  # (batch..., r)
         xa = xa.transpose(*range(len(batch)), len(batch))
         delta = (xa @ b.astype(x.dtype).reshape(lora.rank, -1)).reshape(*xa.shape[:-1], *outs)
@@ -304,18 +347,22 @@ def _with_lora_linen(
             "paths look like 'block_0/attention/query' (re.search on them)."
         )
 
-    def intercepted(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any) -> Any:
-            with nn.intercept_methods(interceptor):
-                return fn(*args)
+    def intercepted(fn: Callable[..., Any], keyed: bool = False) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:  # apply and state_apply take the step's key last (None: evaluating)
+            training = _LINEN_TRAINING.set(keyed and args[-1] is not None)
+            try:
+                with nn.intercept_methods(interceptor):
+                    return fn(*args)
+            finally:
+                _LINEN_TRAINING.reset(training)
 
         return call
 
-    state_apply = None if model.state_apply is None else intercepted(model.state_apply)
+    state_apply = None if model.state_apply is None else intercepted(model.state_apply, keyed=True)
     return dataclasses.replace(
         model,
         init=intercepted(model.init),
-        apply=intercepted(model.apply),
+        apply=intercepted(model.apply, keyed=True),
         state_apply=state_apply,
         trainable=is_adapter,
     )

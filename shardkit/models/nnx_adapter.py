@@ -143,6 +143,8 @@ class NnxParts:
         """Refuse pipeline stages of a module that stores RNG streams or state besides parameters."""
         pass_rngs = "take `rngs` in __call__ and pass it on (nnx.Dropout(...)(x, rngs=rngs))"
         no_statistics = "normalize without running statistics (nnx.LayerNorm, nnx.RMSNorm)"
+        if any("lora_dropout" in path_str(path) for path, _ in self.streams):
+            pass_rngs = "LoRA(dropout=0.0): adapter dropout across pipeline stages is for shardkit's GPT"
         for what, found, fix in (
             ("RNG streams", self.streams, pass_rngs),
             ("state besides its parameters", self.kept, no_statistics),
