@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen, nnx
+from helpers import assert_trees_close, run_trainer
 from safetensors.numpy import load_file
 
 import shardkit as sk
@@ -22,7 +23,6 @@ from shardkit.core.errors import CheckpointError, InputError, ModelError
 from shardkit.core.partition import named
 from shardkit.models.lora import LoRA
 from shardkit.models.peft import split_adapters
-from helpers import assert_trees_close, run_trainer
 
 REFERENCE = pathlib.Path(__file__).parent / "fixtures" / "hf_reference"
 TOKENS = np.load(REFERENCE / "tokens.npy").astype(np.int32)
@@ -561,6 +561,7 @@ def test_lora_dropout_inside_a_linen_scan_without_a_dropout_rng_is_refused_by_na
     )
     trainer = sk.Trainer(model, optax.sgd(0.5), "data=8")
     batch = trainer.shard_batch({"tokens": stacked_batches()[0]})
-    with pytest.raises(ModelError, match=r"LoRA dropout on 'blocks/up'.*split_rngs=\{'params': True, 'dropout': True\}"):
+    needs_dropout_rng = r"LoRA dropout on 'blocks/up'.*split_rngs=\{'params': True, 'dropout': True\}"
+    with pytest.raises(ModelError, match=needs_dropout_rng):
         trainer.step(trainer.init(0), batch)
     trainer.evaluate(trainer.init(0), batch)  # evaluating draws nothing: no RNG needed
