@@ -114,7 +114,7 @@ class GemmaStyleBlock(nnx.Module):
 
 def table(rngs: nnx.Rngs) -> nnx.Embed:
     """A token embedding split by vocabulary and model dimension."""
-    init = nnx.with_partitioning(nnx.initializers.normal(1.0), ("vocab", "embed"))
+    init = nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed"))
     return nnx.Embed(VOCAB, DIM, embedding_init=init, rngs=rngs)
 
 
@@ -203,13 +203,15 @@ class LlamaStyleLM(nnx.Module):
 
 class Top2Experts(nnx.Module):
     """GShard's top-2 routing with einsum dispatch: each row sends each expert at most
-    ``capacity`` tokens (``dispatch (B, T, E, C)``), the experts run as batched matmuls."""
+    ``capacity`` tokens (``dispatch (B, T, E, C)``), the experts run as batched matmuls.
+    ``gates_first`` folds the gates into the choices before the combine's einsum (two operands,
+    not three), as the report's fix for its reduction over ``tensor`` says."""
 
-    def __init__(self, rngs: nnx.Rngs, experts: int = 4, capacity_factor: float = 2.0):
+    def __init__(self, rngs: nnx.Rngs, experts: int = 4, capacity_factor: float = 2.0, gates_first: bool = False):
         self.router = linear(DIM, experts, ("embed", None), rngs)
         self.w_in = nnx.Param(names("expert", "embed", "mlp")(rngs.params(), (experts, DIM, MLP)))
         self.w_out = nnx.Param(names("expert", "mlp", "embed")(rngs.params(), (experts, MLP, DIM)))
-        self.experts, self.capacity_factor = experts, capacity_factor
+        self.experts, self.capacity_factor, self.gates_first = experts, capacity_factor, gates_first
 
     def __call__(self, x: jax.Array) -> jax.Array:
         e, t = self.experts, x.shape[1]
@@ -224,7 +226,10 @@ class Top2Experts(nnx.Module):
         kept = choice * (slot < capacity)[..., None]
         where = jax.nn.one_hot(slot.astype(jnp.int32), capacity, dtype=x.dtype)  # (B, T, 2, C)
         dispatch = jnp.einsum("btke,btkc->btec", kept, where)
-        combine = jnp.einsum("btke,btkc,btk->btec", kept, where, gates)
+        if self.gates_first:
+            combine = jnp.einsum("btke,btkc->btec", kept * gates[..., None], where)
+        else:
+            combine = jnp.einsum("btke,btkc,btk->btec", kept, where, gates)
         expert_in = jnp.einsum("btec,btd->becd", dispatch, x)
         hidden = jax.nn.gelu(jnp.einsum("becd,edf->becf", expert_in, self.w_in[...]))
         expert_out = jnp.einsum("becf,efd->becd", hidden, self.w_out[...])

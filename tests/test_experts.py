@@ -45,7 +45,9 @@ def reference():
     return gpt_reference(CFG, optax.adamw(3e-3), BATCHES)[0]
 
 
-@pytest.mark.parametrize("layout", ["expert=4,data=2", "expert=2,fsdp=2,tensor=2", "expert=4,fsdp=2"])
+@pytest.mark.parametrize(
+    "layout", ["expert=4,data=2", "expert=2,fsdp=2,tensor=2", "expert=4,fsdp=2", "data=4,tensor=2"]
+)
 def test_moe_gpt_matches_single_device(layout, reference):
     trainer = sk.Trainer(CFG.model(), optax.adamw(3e-3), layout)
     losses, _ = run_trainer(trainer, BATCHES)
@@ -62,6 +64,30 @@ def test_experts_are_sharded_and_tokens_travel_by_all_to_all():
     # Per layer: tokens to experts and back, forward and backward.
     assert sum(c.count for c in a2a) == 4 * CFG.n_layers
     assert {c.op.split("/")[2] for c in a2a} == {"dispatch", "experts"}
+
+
+@pytest.mark.parametrize("dropless", [False, True])
+def test_without_an_expert_axis_the_experts_split_over_tensor(dropless):
+    # Each device computes whole experts on the tokens routed to them: the only reduction over
+    # tensor in a layer's experts is the combine's, at the tokens' size (the hidden units split
+    # instead would leave partial sums of the (E, B, C, D) buffers to all-reduce, forward and back).
+    cfg = GPTConfig.preset("tiny", n_experts=4, top_k=2, capacity_factor=1.0, moe_dropless=dropless)
+    trainer = sk.Trainer(cfg.model(), optax.adamw(3e-3), "data=4,tensor=2")
+    w = trainer.init(0).params["blocks"]["mlp"]["w_gate_up"]  # (L, E, D, 2, F)
+    assert {s.data.shape for s in w.addressable_shards} == {(cfg.n_layers, 2, cfg.dim, 2, cfg.mlp_dim)}
+    report = trainer.report({"tokens": jax.ShapeDtypeStruct((8, 33), jnp.int32)})
+    mlp = [c for c in report.collectives if "/mlp/" in c.op and c.axes == ("tensor",)]
+    activation = report.lower_bound["activation_bytes"]  # a router gradient may ride along (+3%)
+    assert mlp and all(c.payload_bytes <= 1.05 * activation for c in mlp), report.table()
+    assert not [e for e in report.beyond() if "outside the layers" in e.cause and "/mlp/" in e.op], report.extras()
+    own = sk.Trainer(cfg.model(), optax.adamw(3e-3), "data=4,tensor=2", rules=sk.default_rules())
+    assert own.plan.param_specs["blocks"]["mlp"]["w_gate_up"][1] != "tensor"  # rules given are kept
+
+
+def test_experts_that_do_not_divide_over_tensor_leave_it_to_the_hidden_units():
+    cfg = GPTConfig.preset("tiny", n_experts=3, top_k=2)
+    spec = sk.Trainer(cfg.model(), optax.adamw(3e-3), "data=4,tensor=2").plan.param_specs["blocks"]["mlp"]["w_gate_up"]
+    assert spec[1] is None and "tensor" in tuple(spec)[2:], spec  # (L, E, D, 2, F): F over tensor, as before
 
 
 def test_bad_expert_settings_are_refused():

@@ -12,8 +12,11 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
-from zoo import ZOO
+from jax.sharding import PartitionSpec as P
+from zoo import ZOO, LlamaStyleLM, Top2Experts
 from zoo_factories import trainer
+
+import shardkit as sk
 
 LAYOUTS = ["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "data=4,tensor=2"]
 TENSOR_LAYOUTS = LAYOUTS[2:]
@@ -61,10 +64,13 @@ def quiet_trainer(name: str, layout: str, boundaries: bool = True):
         return trainer(name, optax.adamw(LR), layout, boundaries=boundaries)
 
 
+def abstract_batch(name: str) -> dict[str, jax.ShapeDtypeStruct]:
+    return {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in ZOO[name].batch(0).items()}
+
+
 @functools.cache
 def report(name: str, layout: str, boundaries: bool = True):
-    batch = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in ZOO[name].batch(0).items()}
-    return quiet_trainer(name, layout, boundaries).report(batch)
+    return quiet_trainer(name, layout, boundaries).report(abstract_batch(name))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -106,9 +112,41 @@ def test_the_report_names_what_each_step_moves_beyond_its_bound(name, layout):
         assert "beyond the bound:" in r.table() and f"({named[0].moved_bytes / 1e6:.3f} MB" in r.table()
 
 
-def test_a_users_experts_reduced_before_their_combine_are_named_with_the_cause():
-    # top-2 GShard dispatch written as einsums: the experts' output is all-reduced over tensor at
-    # (B, E, C, D), four times a layer's activation, before the combine shrinks it.
+def mlp_reductions_over_tensor(r) -> list:
+    return [c for c in r.collectives if "mlp/" in c.op and c.kind == "all-reduce" and c.axes == ("tensor",)]
+
+
+def test_a_users_experts_split_over_tensor_reduce_at_the_tokens_size():
+    # top-2 GShard dispatch written as einsums. By default the experts (named "expert") are split
+    # over tensor, each whole on its device: the partial sum is left after the combine, at a
+    # layer's activation, not at the (B, E, C, D) buffers as with the hidden units split.
+    t = quiet_trainer("user_moe", "data=4,tensor=2")
+    specs = jax.tree.leaves(t.plan.param_specs, is_leaf=lambda x: isinstance(x, P))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(t.plan.abstract_params)]
+    experts = [tuple(spec) for path, spec in zip(paths, specs, strict=True) if "w_in" in path or "w_out" in path]
+    assert len(experts) == 4 and all(spec[0] == "tensor" and "tensor" not in spec[1:] for spec in experts), experts
     r = report("user_moe", "data=4,tensor=2")
-    big = [e for e in r.beyond() if "mlp/" in e.op and e.kind == "all-reduce" and e.axes == ("tensor",)]
-    assert big and all("4.0x a layer's activation" in e.cause for e in big), r.extras()
+    forward = [c for c in mlp_reductions_over_tensor(r) if c.direction == "forward"]
+    assert forward and all(c.payload_bytes <= r.lower_bound["activation_bytes"] for c in forward), r.table()
+    assert not [e for e in r.beyond() if "a layer's activation" in e.cause], r.extras()
+    # What remains is the gates' gradient, reduced at (B, T, k, C) by the pairwise order of the
+    # three-operand combine einsum: named with its fix, and the fix (two einsums) removes it.
+    largest = max(r.beyond(), key=lambda e: e.moved_bytes)
+    assert "einsum of 3 operands" in largest.cause and "two einsums" in largest.fix, r.extras()
+    fixed_moe = functools.partial(LlamaStyleLM, mlp=functools.partial(Top2Experts, gates_first=True))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*names no parameter")
+        fixed = sk.Trainer(sk.from_nnx(fixed_moe), optax.adamw(LR), "data=4,tensor=2", loss=ZOO["user_moe"].loss)
+    fixed_report = fixed.report(abstract_batch("user_moe"))
+    assert not [e for e in fixed_report.beyond() if "einsum of" in e.cause], fixed_report.extras()
+    assert fixed_report.moved_bytes < r.moved_bytes - largest.moved_bytes / 2, (fixed_report.table(), r.table())
+
+    # With rules of their own kept as given (hidden units over tensor), the experts' output is
+    # all-reduced at (B, E, C, D), four times a layer's activation, before the combine shrinks it:
+    # the report names the cause.
+    own = trainer("user_moe", optax.adamw(LR), "data=4,tensor=2", rules=sk.default_rules())
+    own = own.report(abstract_batch("user_moe"))
+    big = [e for e in own.beyond() if "mlp/" in e.op and e.kind == "all-reduce" and e.axes == ("tensor",)]
+    assert big and all("4.0x a layer's activation" in e.cause for e in big), own.extras()
+    moved = [sum(c.moved_bytes for c in mlp_reductions_over_tensor(x)) for x in (r, own)]
+    assert moved[0] < moved[1] / 2, moved

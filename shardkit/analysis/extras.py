@@ -115,8 +115,8 @@ def _budget(bound: Mapping[str, float], term: str) -> float:
 
 def _in_a_layer(op: str) -> bool:
     """Whether the op's path goes through a numbered layer (``blocks/0/...``, ``block_1/...``) or
-    a scanned layer stack."""
-    return bool(re.search(r"(^|/)([^/]*_)?\d+(/|$)", op)) or "/while/" in op or op.startswith("layers/")
+    a scanned layer stack (``layer/...``, ``layers/...``, or inside a loop)."""
+    return bool(re.search(r"(^|/)([^/]*_)?\d+(/|$)", op) or re.search(r"(^|/)layers?/", op)) or "/while/" in op
 
 
 def typical_activation(stats: Iterable[CollectiveStat]) -> int:
@@ -133,6 +133,13 @@ def _combined(op: str) -> int:
     return 1 + int(found.group(1)) if found else 1
 
 
+def _einsum_operands(op: str) -> int:
+    """Operands of the einsum an op comes from (``.../btke,btkc,btk->btec/dot_general`` -> 3), 0
+    for an op of no einsum."""
+    found = re.search(r"(^|/)([^/]*)->[^/]*/", op)
+    return found.group(2).count(",") + 1 if found else 0
+
+
 def megatron_sized(c: CollectiveStat, activation: float) -> bool:
     """Whether ``c`` carries whole activations, one per collective XLA combined into it (a norm's
     few bytes combined with one aside): the size of Megatron's all-reduces."""
@@ -146,8 +153,16 @@ def _least_expected_first(members: list[CollectiveStat], term: str, activation: 
     """A term's collectives in the order they are named against its excess."""
     if term == "tensor":
         activation = activation or typical_activation(members)
-        key = lambda c: (megatron_sized(c, activation), _in_a_layer(c.op), -c.moved_bytes)
-        return sorted(members, key=key)
+
+        def expected(c: CollectiveStat) -> tuple[bool, bool]:
+            # Several activations' reductions XLA combined into one inside a layer come before
+            # the vocabulary's one each (which the bound counts): a residual block reduces once
+            # each way, and consecutive blocks cannot be combined (each needs the other's
+            # output), so such a group usually holds a reduction Megatron's count has not.
+            several = _combined(c.op) > 1 and c.payload_bytes >= 1.5 * activation
+            return megatron_sized(c, activation) and not several, _in_a_layer(c.op) and not several
+
+        return sorted(members, key=lambda c: (*expected(c), -c.moved_bytes))
     # Parameters: gradients all-reduced over several axes (a parameter kept whole) first, then a
     # backward gather larger than its module's forward one (a weight gathered at another split),
     # then the rest, largest first.
@@ -294,8 +309,17 @@ def explain(
     if term == "tensor" and not _in_a_layer(c.op):
         return (
             "an all-reduce over tensor outside the layers: the head, the embedding or the loss reduces over a "
-            "vocabulary split over tensor (the bound counts the layers only).",
+            "vocabulary split over tensor (the bound counts one for an embedding and one for a head).",
             "expected with the vocabulary split over tensor; keep 'vocab' whole (the rules) to trade it for memory.",
+        )
+    operands = _einsum_operands(c.op)
+    if term == "tensor" and c.kind == "all-reduce" and operands >= 3:
+        return (
+            f"an einsum of {operands} operands, contracted pairwise: the pair contracted first sums a dimension "
+            "split over tensor, so its intermediate is all-reduced where the whole product needs a smaller "
+            "reduction.",
+            "write it as two einsums so the dimension split over tensor is contracted last, at the smallest "
+            "array (fold a per-token factor such as gates into one operand first).",
         )
     if term == "tensor" and megatron_sized(c, activation) and _combined(c.op) > 1:
         return (

@@ -306,12 +306,16 @@ def _mesh_names_as_rules(
     names: tuple[FlaxName, ...], rules: Rules, mesh_shape: dict[str, int]
 ) -> tuple[tuple[str | None, ...], Rules]:
     """Flax's names as logical ones: a mesh axis (or a tuple of them) that the rules do not name
-    becomes a rule to itself, after the rules (so rule names keep their priority)."""
+    becomes a rule to itself, after the rules (so rule names keep their priority). The
+    ``expert`` mesh axis names a dimension of experts, so it resolves as ``experts`` does
+    (:func:`~shardkit.core.rules.experts_over_tensor`)."""
     out: list[str | None] = []
     extra = Rules()
     for n in names:
         axes = n if isinstance(n, tuple) else (n,) if n is not None else ()
-        if n is None or (isinstance(n, str) and n in rules):
+        if n == "expert" and "expert" in dict(rules.rules).get("experts", ()):
+            out.append("experts")  # the expert mesh axis names a dimension of experts: as shardkit's own
+        elif n is None or (isinstance(n, str) and n in rules):
             out.append(n)
         elif all(a in mesh_shape for a in axes):
             label = "+".join(axes)

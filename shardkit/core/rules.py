@@ -193,6 +193,33 @@ def expert_parallel() -> Rules:
     return Rules.of(experts="expert", batch="expert")
 
 
+def experts_over_tensor(rules: Rules, mesh_shape: Mapping[str, int]) -> Rules:
+    """``rules`` with the ``experts`` dimension split over ``tensor`` too, where a layout has
+    ``tensor`` but no ``expert`` axis (``experts`` comes first, so the MLP's hidden units then
+    stay whole inside each expert).
+
+    Why experts and not hidden units: a mixture of experts computes every expert on buffers of
+    the tokens routed to it (``(experts, batch, capacity, embed)``: top-k times a capacity factor
+    the size of the tokens). Splitting hidden units leaves a partial sum of those buffers, which
+    is all-reduced at their size, forward and backward. Splitting experts keeps each expert whole
+    on its device; the partial sum appears where the experts' outputs are combined back into
+    tokens, at the tokens' size: one all-reduce, as for a Megatron MLP. The flops and bytes of
+    parameters per device are the same either way. With an ``expert`` axis the experts are
+    split over it (tokens travel by all-to-all) and this rule stays out.
+
+    Example:
+      >>> experts_over_tensor(default_rules(), {"data": 4, "tensor": 2})["experts"]
+      ('tensor', 'expert')
+      >>> experts_over_tensor(default_rules(), {"expert": 2, "tensor": 2})["experts"]
+      ('expert',)
+    """
+    if mesh_shape.get("tensor", 1) == 1 or mesh_shape.get("expert", 1) > 1 or "experts" not in rules:
+        return rules
+    if "tensor" in rules["experts"]:
+        return rules
+    return rules + Rules.of(experts="tensor")
+
+
 def pipeline_parallel() -> Rules:
     """The stacked ``layers`` dimension split over ``stage``."""
     return Rules.of(layers="stage")

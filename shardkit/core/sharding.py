@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit.core.errors import LayoutError
+from shardkit.core.errors import LayoutError, ShardkitError
 from shardkit.core.mesh import Layout, as_layout
 from shardkit.core.partition import Axes, annotates_any, named, path_str, specs_for
 from shardkit.core.precision import Precision
-from shardkit.core.rules import Fallback, Rules, entry_axes, resolve
+from shardkit.core.rules import Fallback, Rules, entry_axes, experts_over_tensor, resolve
 from shardkit.core.state import TrainState
 
 if TYPE_CHECKING:  # the model layer sits above this one; a plan only reads a model's shapes and names
@@ -223,6 +223,7 @@ def plan_sharding(
     devices: Sequence[jax.Device] | None = None,
     zero: int = 0,
     fsdp_min_size: int | None = None,
+    experts_over_tensor: bool = True,
 ) -> ShardingPlan:
     """Resolve where every parameter, optimizer state and batch array lives; compiles nothing.
 
@@ -241,6 +242,9 @@ def plan_sharding(
       zero: ZeRO stage 0, 1 or 2 over the ``data`` axis (see :class:`ShardingPlan`).
       fsdp_min_size: which parameters stay whole over ``fsdp`` (:func:`keep_vectors_whole`):
         None, vectors per layer (norm scales, biases); N, fewer than N elements per layer; 0, none.
+      experts_over_tensor: split the experts of a mixture of experts over ``tensor`` where the
+        layout has no ``expert`` axis and they divide
+        (:func:`shardkit.core.rules.experts_over_tensor`); False keeps ``rules`` as given.
 
     Returns:
       The :class:`ShardingPlan`.
@@ -249,6 +253,8 @@ def plan_sharding(
     resolved = as_layout(layout).resolve(len(devices))
     mesh = resolved.make_mesh(devices)
     abstract_params = model.abstract_params()  # eval_shape once
+    if experts_over_tensor:
+        rules = _experts_over_tensor_where_they_divide(model, abstract_params, rules, mesh)
     fallbacks: list[Fallback] = []
     param_specs = specs_for(
         model.axes, abstract_params, rules, mesh, allow_replicate=allow_replicate, fallbacks=fallbacks
@@ -283,6 +289,19 @@ def plan_sharding(
         zero,
         update_specs,
     )
+
+
+def _experts_over_tensor_where_they_divide(model: Model, abstract_params: Any, rules: Rules, mesh: Mesh) -> Rules:
+    """:func:`~shardkit.core.rules.experts_over_tensor` where every parameter's experts divide
+    over ``tensor`` (otherwise the hidden units keep it, as before)."""
+    extended = experts_over_tensor(rules, dict(mesh.shape))
+    if extended is rules:
+        return rules
+    try:
+        specs_for(model.axes, abstract_params, extended, mesh)
+    except ShardkitError:
+        return rules
+    return extended
 
 
 def unnamed_fsdp_specs(abstract_params: Any, mesh_shape: Mapping[str, int]) -> Any:

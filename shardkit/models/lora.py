@@ -181,7 +181,7 @@ def add_adapters(module: nnx.Module, lora: LoRA, targets: str, rngs: nnx.Rngs) -
     output dimensions. A module created by ``nnx.vmap`` (layers stacked for ``nnx.scan``) has
     leading stacked dimensions on its kernel; its adapters get the same ones, named alike, so
     the scan slices them layer by layer. Returns the adapted paths (an error when none matches)."""
-    adapted = []
+    adapted: list[str] = []
     for path, sub in nnx.iter_modules(module):
         name = "/".join(str(p) for p in path)
         if not isinstance(sub, (nnx.Linear, nnx.Einsum)) or not re.search(targets, name):

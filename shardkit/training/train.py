@@ -74,7 +74,10 @@ class Trainer:
       optimizer: any optax ``GradientTransformation``.
       layout: mesh axis sizes, e.g. ``"data=2,fsdp=2,tensor=2"`` (``-1`` fills the rest).
       rules: logical-to-mesh rules, as ``Rules`` or Flax's ``logical_axis_rules`` pairs
-        (``[("batch", "data"), ("mlp", "tensor"), ...]``); default :func:`shardkit.default_rules`.
+        (``[("batch", "data"), ("mlp", "tensor"), ...]``); default :func:`shardkit.default_rules`,
+        with the experts of a mixture of experts split over ``tensor`` where the layout has no
+        ``expert`` axis (:func:`shardkit.core.rules.experts_over_tensor`). Rules you give are
+        kept as given.
       loss: ``(forward, batch) -> (loss, count)``; default next-token cross-entropy.
       batch_axes: logical names per batch entry, e.g. ``{"tokens": ("batch", None)}``; by default
         the first dimension of every entry is ``batch`` and the rest unsharded.
@@ -184,6 +187,7 @@ class Trainer:
         self.max_skips, self.skipped_in_a_row = max_skips, 0
         self.layout = as_layout(layout).resolve(len(devices))
         self.schedule: Schedule | None = pipeline_schedule(model, self.layout, schedule, virtual_stages, microbatches)
+        own_rules = rules is not None
         rules = default_rules() if rules is None else as_rules(rules)
         if sequence_parallel:
             rules = rules + tensor_sequence_parallel()
@@ -198,6 +202,7 @@ class Trainer:
             devices=devices,
             zero=zero,
             fsdp_min_size=fsdp_min_size,
+            experts_over_tensor=not own_rules,
         )
         if zero and self.layout.size("data") == 1:
             raise LayoutError(
