@@ -9,7 +9,7 @@ from helpers import gpt_reference, run_trainer
 
 import shardkit as sk
 from shardkit.models import GPTConfig
-from shardkit.parallel import route
+from shardkit.parallel import route, top_k_by_rows
 
 CFG = GPTConfig.preset("tiny", n_experts=4, top_k=2, capacity_factor=1.0)
 DATA = sk.TextDataset.builtin()
@@ -38,6 +38,15 @@ def test_balanced_router_has_unit_load_balancing_loss():
     _, _, aux = route(jnp.zeros((2, 8, 4)), top_k=1, capacity=8)
     # top_k breaks ties to expert 0, so the first-choice fraction is one-hot: E * 1 * 1/E.
     assert float(aux) == pytest.approx(1.0)
+
+
+def test_top_k_by_rows_equals_lax_top_k_ties_included():
+    x = jax.random.randint(jax.random.key(0), (3, 50, 8), 0, 4).astype(jnp.float32)  # many ties
+    for k in (1, 2, 8):
+        values, indices = top_k_by_rows(x, k)
+        expected_values, expected_indices = jax.lax.top_k(x, k)
+        np.testing.assert_array_equal(values, expected_values)
+        np.testing.assert_array_equal(indices, expected_indices)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +89,8 @@ def test_without_an_expert_axis_the_experts_split_over_tensor(dropless):
     activation = report.lower_bound["activation_bytes"]  # a router gradient may ride along (+3%)
     assert mlp and all(c.payload_bytes <= 1.05 * activation for c in mlp), report.table()
     assert not [e for e in report.beyond() if "outside the layers" in e.cause and "/mlp/" in e.op], report.extras()
+    # The router's top k stays split by rows (lax.top_k's TopK custom call would gather it whole).
+    assert not [c for c in report.collectives if "/router/" in c.op and c.kind == "all-gather"], report.table()
     own = sk.Trainer(cfg.model(), optax.adamw(3e-3), "data=4,tensor=2", rules=sk.default_rules())
     assert own.plan.param_specs["blocks"]["mlp"]["w_gate_up"][1] != "tensor"  # rules given are kept
 

@@ -13,7 +13,7 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from zoo import ZOO, LlamaStyleLM, Top2Experts
+from zoo import DIM, ZOO, LlamaStyleLM, Top2Experts
 from zoo_factories import trainer
 
 import shardkit as sk
@@ -150,3 +150,12 @@ def test_a_users_experts_split_over_tensor_reduce_at_the_tokens_size():
     assert big and all("4.0x a layer's activation" in e.cause for e in big), own.extras()
     moved = [sum(c.moved_bytes for c in mlp_reductions_over_tensor(x)) for x in (r, own)]
     assert moved[0] < moved[1] / 2, moved
+
+
+def test_the_bound_of_a_model_of_images_counts_its_patches_not_its_rows_of_pixels():
+    # The ViT's input is (B, 32, 32, 3) images; its layers see (B, 16, 64): 16 patches of 8x8.
+    # The activation of Megatron's all-reduces is read from the program's (rows, seq, dim) arrays.
+    rows = ZOO["vit"].batch(0)["x"].shape[0] / 4  # data=4: one tensor group's rows
+    assert report("vit", "data=4,tensor=2").lower_bound["activation_bytes"] == rows * 16 * DIM * 4
+    # Token models keep the tokens' length (one less than the rows hold: the next-token targets).
+    assert report("llama_style", "data=4,tensor=2").lower_bound["activation_bytes"] == rows * 32 * DIM * 4

@@ -98,7 +98,7 @@ DEV_TESTS = {
         "test_a_chat_is_rendered_by_the_checkpoint_s_template_and_scores_the_assistant_turns",
         "test_a_bad_row_is_refused_naming_it",
     },
-    "test_zoo.py": {"test_a_users_experts_reduced_before_their_combine_are_named_with_the_cause"},
+    "test_zoo.py": {"test_a_users_experts_split_over_tensor_reduce_at_the_tokens_size"},
     "test_checkpoint.py": {
         "test_restore_onto_another_layout_continues_exactly",
         "test_restore_a_checkpoint_of_another_model",

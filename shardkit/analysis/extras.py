@@ -285,6 +285,13 @@ def explain(
             "name the weight's axes as its matmuls use it, fuse projections gathered together, or recompute "
             "less (a remat policy that saves the gathered weights).",
         )
+    if c.kind == "all-gather" and c.op.split(" (")[0].endswith("/top_k"):
+        return (
+            f"jax.lax.top_k becomes XLA's TopK custom call, which the partitioner does not split by rows: its "
+            f"operand is gathered whole over {axes}.",
+            "take the top k by a stable sort, which stays split by rows: shardkit.parallel.top_k_by_rows(x, k) "
+            "(jnp.argsort(-x, axis=-1, stable=True)[..., :k]).",
+        )
     if c.kind == "all-gather":
         return (
             f"an array split over {axes} (the batch: token ids or activations) is gathered whole for this op, "

@@ -234,6 +234,27 @@ def lower_bound(
     }
 
 
+def sequence_in_program(text: str, rows: float, dim: int) -> int:
+    """The sequence length of a model's ``(rows, seq, dim)`` activations in a compiled module:
+    the ``seq`` most arrays shaped so have (a ViT's patches, where its input is images); 1 for
+    an MLP's ``(rows, dim)``; 0 for neither (a CNN's activations are 4-D).
+
+    Example:
+      >>> sequence_in_program("a = f32[4,16,64]{2,1,0} add(b, c)\\nd = f32[4,16,64] tanh(a)", 4, 64)
+      16
+      >>> sequence_in_program("a = f32[4,64]{1,0} add(b, c)", 4, 64)
+      1
+    """
+    if not dim or rows != int(rows):
+        return 0
+    found = collections.Counter(
+        int(s) for r, s, d in re.findall(r"\[(\d+),(\d+),(\d+)\]", text) if int(r) == rows and int(d) == dim
+    )
+    if found:
+        return found.most_common(1)[0][0]
+    return 1 if f"[{int(rows)},{dim}]" in text else 0
+
+
 def tensor_blocks(table: list[dict[str, Any]]) -> int:
     """Megatron blocks in a sharding table: matrices whose last dimension is named ``embed`` and
     another is split over ``tensor`` (an attention's output projection, an MLP's down projection,
@@ -288,10 +309,14 @@ def build_report(
     layout_shape = dict(trainer.mesh.shape)
     shape = next(iter(batch.values())).shape
     rows = shape[0]
-    seq = (shape[1] - 1 if "tokens" in batch else shape[1]) if len(shape) >= 2 else 1
     layers = int(info.get("layers", 0))
     # One layer's (b, s, h) activation of one tensor-parallel group, summed over microbatches.
     per_group_rows = rows / (layout_shape.get("data", 1) * layout_shape.get("fsdp", 1))
+    if "tokens" in batch:
+        seq = shape[1] - 1 if len(shape) >= 2 else 1
+    else:  # images, features: the positions the layers see are not the input's second dimension
+        seq = sequence_in_program(text, per_group_rows / trainer.microbatches, int(info.get("dim", 0)))
+        seq = seq or (shape[1] if len(shape) >= 2 else 1)
     activation = per_group_rows * seq * info.get("dim", 0) * np.dtype(trainer.precision.compute).itemsize
     table = trainer.sharding_table()
     vocab_parallel = layers > 0 and any("vocab" in row["logical"] and "tensor" in row["spec"] for row in table)

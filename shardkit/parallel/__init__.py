@@ -9,13 +9,14 @@ from shardkit._lazy import install
 _WHERE = {
     "MoE": "experts",
     "route": "experts",
+    "top_k_by_rows": "experts",
     "pipeline_value_and_grad": "pipeline",
     "ring_attention": "ring_attention",
     "Schedule": "schedule",
     "make_schedule": "schedule",
 }
 
-__all__ = ["MoE", "Schedule", "make_schedule", "pipeline_value_and_grad", "ring_attention", "route"]
+__all__ = ["MoE", "Schedule", "make_schedule", "pipeline_value_and_grad", "ring_attention", "route", "top_k_by_rows"]
 
 # Lazy (PEP 562): importing the schedules alone starts no JAX.
 __getattr__, __dir__ = install(__name__, _WHERE, ("experts", "pipeline", "schedule"))
