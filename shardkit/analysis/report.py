@@ -186,6 +186,7 @@ def lower_bound(
     activation_bytes: float = 0.0,
     vocab_parallel: bool = False,
     tensor_blocks: int = 0,
+    whole_over_tensor_bytes: float = 0.0,
 ) -> dict[str, float]:
     """The least a layout must move and hold per device (ring collectives, ZeRO, Megatron, and a
     pipeline's sends between stages).
@@ -204,13 +205,17 @@ def lower_bound(
       tensor_blocks: Megatron blocks (an attention, an MLP, a cross-attention: a matmul that
         contracts a dimension split over ``tensor`` back to the model dimension), each one
         all-reduce forward and one backward; 0 counts two per layer.
+      whole_over_tensor_bytes: of ``param_bytes``, those of parameters no dimension of which is
+        split over ``tensor`` (norm scales, a row-parallel layer's bias, a patch embedding, a
+        position table, as Megatron keeps them): every tensor rank holds, gathers and reduces
+        them whole.
 
     Returns:
       ``{"bytes_per_device", "state_memory_per_device", "activation_bytes", plus each term}``.
     """
     d, f, t = layout_shape.get("data", 1), layout_shape.get("fsdp", 1), layout_shape.get("tensor", 1)
     n = math.prod(layout_shape.values())
-    per_tensor_shard = param_bytes / t
+    per_tensor_shard = (param_bytes - whole_over_tensor_bytes) / t + whole_over_tensor_bytes
     terms = {
         # ZeRO-3: gather the parameters for the forward and again for the backward, reduce-scatter grads.
         "fsdp": 3 * moved_bytes("all-gather", per_tensor_shard, f),
@@ -232,6 +237,18 @@ def lower_bound(
         "activation_bytes": activation_bytes,
         **{f"bytes_{k}": v for k, v in terms.items()},
     }
+
+
+def _whole_over_tensor_bytes(params: list[Any], param_specs: Any) -> float:
+    """Bytes of the parameters (leaves in tree order) whose spec splits no dimension over ``tensor``."""
+    specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return float(
+        sum(
+            x.size * np.dtype(x.dtype).itemsize
+            for x, spec in zip(params, specs, strict=True)
+            if not any("tensor" in entry_axes(e) for e in spec)
+        )
+    )
 
 
 def sequence_in_program(text: str, rows: float, dim: int) -> int:
@@ -328,6 +345,9 @@ def build_report(
         activation_bytes=activation,
         vocab_parallel=vocab_parallel,
         tensor_blocks=tensor_blocks(table) if layers else 0,
+        whole_over_tensor_bytes=_whole_over_tensor_bytes(params, trainer.param_specs)
+        if layout_shape.get("tensor", 1) > 1
+        else 0.0,
     )
     model_flops = None
     if (
