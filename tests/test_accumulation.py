@@ -349,11 +349,9 @@ MASKED = [
 ]
 
 
-@pytest.mark.parametrize("layout,reduce,schedule,reduces", MASKED)
-def test_microbatches_with_loss_masks_give_the_token_weighted_loss(layout, reduce, schedule, reduces):
-    """K microbatches that score different numbers of tokens weigh each microbatch's mean by its
-    count: the loss and the update of one pass over the batch, not the mean of K means."""
-    batches = masked_batches()
+def trains_as_one_pass(batches: list[dict], layout: str, reduce: str, schedule, reduces: str):
+    """A trainer of K microbatches run on ``batches``, checked against the one-device token-weighted
+    reference (losses and parameters); returns it and its losses."""
     ref_losses, ref_params = token_weighted_reference(0.3, batches)
     trainer = sk.Trainer(
         PLAIN.model(), optax.sgd(0.3), layout, microbatches=K, reduce_gradients=reduce, schedule=schedule
@@ -362,6 +360,15 @@ def test_microbatches_with_loss_masks_give_the_token_weighted_loss(layout, reduc
     assert trainer.accumulation.reduces == reduces
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-6)
+    return trainer, losses
+
+
+@pytest.mark.parametrize("layout,reduce,schedule,reduces", MASKED)
+def test_microbatches_with_loss_masks_give_the_token_weighted_loss(layout, reduce, schedule, reduces):
+    """K microbatches that score different numbers of tokens weigh each microbatch's mean by its
+    count: the loss and the update of one pass over the batch, not the mean of K means."""
+    batches = masked_batches()
+    _, losses = trains_as_one_pass(batches, layout, reduce, schedule, reduces)
     unweighted = np.mean(
         [float(token_weighted_reference(0.0, [{k: v[j::K] for k, v in batches[0].items()}])[0][0]) for j in range(K)]
     )
@@ -373,14 +380,7 @@ def test_fractional_loss_weights_weigh_microbatches_by_their_sums(layout, reduce
     """A ``loss_mask`` of float weights: each microbatch's weighted mean weighs the sum of its
     weights (kept as a float32 count, not truncated), so K microbatches give one pass's loss."""
     batches = masked_batches(fractional=True)
-    ref_losses, ref_params = token_weighted_reference(0.3, batches)
-    trainer = sk.Trainer(
-        PLAIN.model(), optax.sgd(0.3), layout, microbatches=K, reduce_gradients=reduce, schedule=schedule
-    )
-    losses, params = run_trainer(trainer, batches)
-    assert trainer.accumulation.reduces == reduces
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-6)
+    trainer, _ = trains_as_one_pass(batches, layout, reduce, schedule, reduces)
     scored = trainer.evaluate(trainer.init(0), trainer.shard_batch(batches[0]))["tokens"]
     assert scored.dtype == jnp.float32
     seg, mask = batches[0]["segments"], batches[0]["loss_mask"]
