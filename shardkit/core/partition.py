@@ -313,7 +313,7 @@ def _mesh_names_as_rules(
     extra = Rules()
     for n in names:
         axes = n if isinstance(n, tuple) else (n,) if n is not None else ()
-        if n == "expert" and "expert" in dict(rules.rules).get("experts", ()):
+        if n == "expert" and "experts" in rules and "expert" in rules["experts"]:
             out.append("experts")  # the expert mesh axis names a dimension of experts: as shardkit's own
         elif n is None or (isinstance(n, str) and n in rules):
             out.append(n)

@@ -394,7 +394,7 @@ def _reads_a_parameter_twice(jaxpr: Any, n_params: int) -> bool:
     loop's constant counting as read on every iteration. Not for convolutions, whose weight
     gradient vmapped over row blocks XLA computes by gathering the rows (measured: a ViT's
     step moved 1.29x the bytes)."""
-    if any(eqn.primitive.name == "conv_general_dilated" for eqn in _equations(jaxpr.jaxpr)):
+    if _convolves(jaxpr):
         return False
 
     def reads(var: Any, program: Any) -> int:
