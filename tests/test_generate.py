@@ -6,6 +6,7 @@ cache split by the generation layout, and every bad request refused before a com
 import dataclasses
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -157,10 +158,12 @@ def test_the_cache_is_split_by_the_generation_layout_and_its_bytes_reported(tiny
         *(jax.device_put(x, gen.placement.rows()) for x in (np.ones((2, 8), np.int32), np.array([3, 8], np.int32))),
         *(jax.device_put(x, gen.placement.rows()) for x in (np.arange(2, dtype=np.int32), np.ones(2, bool))),
     )
-    keys = state["cache"][0]  # (L, B, N, C, K)
-    assert keys.shape == (cfg.n_layers, 2, cfg.n_kv_heads, 24, cfg.head_dim)
-    assert keys.sharding.shard_shape(keys.shape) == (cfg.n_layers, 1, cfg.n_kv_heads // 2, 24, cfg.head_dim)
-    whole = 2 * keys.size * keys.dtype.itemsize  # keys and values
+    assert len(state["cache"]) == cfg.n_layers
+    for keys, values in state["cache"]:  # each layer's own (B, N, C, K)
+        for x in (keys, values):
+            assert x.shape == (2, cfg.n_kv_heads, 24, cfg.head_dim)
+            assert x.sharding.shard_shape(x.shape) == (1, cfg.n_kv_heads // 2, 24, cfg.head_dim)
+    whole = 2 * cfg.n_layers * keys.size * keys.dtype.itemsize  # keys and values of every layer
     assert gen.cache_bytes_per_device(2, 24) == whole // 4
     assert Generator(model, params).cache_bytes_per_device(2, 24) == whole
 
@@ -188,6 +191,31 @@ def test_a_decode_step_costs_one_tokens_work_and_one_device_needs_no_collectives
 
     ratio = flops(recompute, jnp.zeros((1, 64), jnp.int32)) / flops(cached.decoder, state["cache"])
     assert ratio > 20, f"a cached step should do a small fraction of a whole row's work, ratio {ratio:.1f}"
+
+
+def test_a_decode_step_reads_each_layers_weights_and_cache_where_they_lie(tiny):
+    """Inside the compiled loop nothing slices a layer's weights or cache out of a stacked array:
+    that copy (at every token) read and wrote as many bytes again as the matmuls read."""
+    model, params = tiny
+    gen = Generator(model, params)
+    state = gen._prefill(
+        gen.decoder, gen.placement, Sampling(), 64, 8, gen.params, jnp.ones((1, 8), jnp.int32),
+        jnp.array([8], jnp.int32), jnp.zeros(1, jnp.int32), jnp.ones(1, bool),
+    )  # fmt: skip
+    lowered = gen._decode.lower(gen.decoder, gen.placement, Sampling(), gen.params, state, jnp.int32(8))
+    text = lowered.compile().as_text()
+    layer_sizes = {int(np.prod(w.shape[1:])) for w in jax.tree.leaves(params["blocks"])}
+    layer_sizes.add(int(np.prod(state["cache"][0][0].shape)))
+    sliced = []
+    for body in re.findall(r"body=%([\w.-]+)", text):  # every loop's body: its own instructions
+        block = text[text.index(f"%{body} (") :]
+        for line in block[: block.index("\n}")].splitlines()[1:]:
+            name, _, op = line.partition(" = ")
+            shape = re.match(r"f32\[([\d,]*)\]", op)
+            copied = re.search(r"^(dynamic-slice|slice)[\w.-]*$", name.strip().lstrip("%").split("_")[0])
+            if shape and copied and int(np.prod([int(d) for d in shape.group(1).split(",") if d])) in layer_sizes:
+                sliced.append(name.strip())
+    assert not sliced, f"the decode loop slices a layer's weights or cache: {sliced}"
 
 
 BAD = [

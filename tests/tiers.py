@@ -80,6 +80,7 @@ DEV_TESTS = {
         "test_the_cache_gives_the_tokens_of_one_forward_per_token",
         "test_sampling_draws_the_same_tokens_on_any_layout_and_the_seed_matters",
         "test_the_cache_is_split_by_the_generation_layout_and_its_bytes_reported",
+        "test_a_decode_step_reads_each_layers_weights_and_cache_where_they_lie",
         "test_bad_requests_are_refused_by_name",
         "test_a_layout_that_cannot_split_the_kv_heads_is_refused",
     },

@@ -189,6 +189,8 @@ def _decode(
 ) -> dict[str, jax.Array]:
     """Decode steps in one loop until ``until`` tokens exist per row or every row has stopped."""
     max_new = state["out"].shape[1]
+    ready = decoder.step_params(params) if decoder.step_params else params  # once, outside the loop
+    step_forward = decoder.step or decoder.forward
 
     def more(s: dict) -> jax.Array:
         return (s["step"] < jnp.minimum(until, max_new)) & ~jnp.all(s["done"])
@@ -198,7 +200,7 @@ def _decode(
         previous = jax.lax.dynamic_index_in_dim(s["out"], step - 1, axis=1)  # (B, 1)
         positions = (s["lengths"] + step - 1)[:, None]  # (B, 1): the previous token's position
         with placement.context():
-            logits, cache = decoder.forward(params, s["cache"], previous, positions, jnp.zeros_like(s["lengths"]))
+            logits, cache = step_forward(ready, s["cache"], previous, positions, jnp.zeros_like(s["lengths"]))
             cache = _constrained(placement, decoder, cache)
         nxt = choose(logits, _keys(sampling.seed, s["rows"], step), sampling)
         nxt = jnp.where(s["done"], -1, nxt)

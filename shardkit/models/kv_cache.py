@@ -23,10 +23,15 @@ import jax.numpy as jnp
 
 Params = Any
 
-# Logical names of one cache array (L, B, N, C, K): rows over the batch axes, kv heads over tensor.
-# Heads before slots: attention's matmuls batch over heads (slots before heads cost a transposed
-# copy of every layer's cache per token: decode 0.82 ms/token at 1,024 positions, 0.69 after).
-KV_NAMES = (None, "batch", "kv_heads", None, None)
+# Logical names of one layer's keys or values (B, N, C, K): rows over the batch axes, kv heads over
+# tensor. Heads before slots: attention's matmuls batch over heads (slots before heads cost a
+# transposed copy of every layer's cache per token: decode 0.82 ms/token at 1,024 positions, 0.69
+# after). One array per layer, not one stacked array: a decode step updates each in place and
+# reads it where it lies, where slicing a stacked cache copied every layer's slots at every token.
+KV_NAMES = ("batch", "kv_heads", None, None)
+
+# A GPT's cache: per layer, keys and values (B, N, C, K).
+LayerCaches = tuple[tuple[jax.Array, jax.Array], ...]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a static jit argument
@@ -47,6 +52,10 @@ class Decoder:
       kind: ``"kv"`` (keys and values) or ``"tokens"`` (whole rows recomputed).
       prefill: ``forward`` for a cache known to be empty and rows starting at position 0 (a
         prompt's first pass): it may skip reading the cache (None: ``forward`` serves).
+      step_params: ``params -> `` the form ``step`` reads, computed once before the decode loop
+        (None: the parameters as they are).
+      step: ``forward`` for one new token per row, reading ``step_params``'s form, with the next
+        token's logits after it (``last`` is 0; None: ``forward`` serves).
     """
 
     empty: Callable[[int, int], Any]
@@ -56,13 +65,15 @@ class Decoder:
     kv_heads: int | None
     kind: str = "kv"
     prefill: Callable[[Params, Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]] | None = None
+    step_params: Callable[[Params], Any] | None = None
+    step: Callable[[Any, Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]] | None = None
 
 
 def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int = 0, slot_axis: int = 1) -> jax.Array:
     """``cache`` with ``new`` written at slots ``start[b] .. start[b] + S - 1`` of each row ``b``.
 
     Rows are dimension ``axis`` of both arrays and slots dimension ``slot_axis``: e.g. a GPT's
-    keys ``cache (L, B, N, C, K)`` and ``new (L, B, N, S, K)`` with ``axis=1, slot_axis=3``.
+    keys ``cache (B, N, C, K)`` and ``new (B, N, S, K)`` with ``axis=0, slot_axis=2``.
 
     Example:
       >>> write_rows(jnp.zeros((2, 4), jnp.int32), jnp.ones((2, 2), jnp.int32), jnp.array([0, 2])).tolist()
@@ -71,6 +82,20 @@ def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array, axis: int = 0
     inner = slot_axis - 1 if slot_axis > axis else slot_axis  # the slots' axis once vmap takes the rows'
     one = lambda row, value, at: jax.lax.dynamic_update_slice_in_dim(row, value, at, axis=inner)
     return jax.vmap(one, in_axes=(axis, axis, 0), out_axes=axis)(cache, new.astype(cache.dtype), start)
+
+
+def write_layer(cache: tuple[jax.Array, jax.Array], new: tuple[jax.Array, jax.Array], start: jax.Array) -> Any:
+    """One layer's keys and values ``(B, N, C, K)`` with the new tokens' ``(B, S, N, K)`` written
+    at slots ``start[b] ..`` of each row ``b``.
+
+    Example:
+      >>> cache, new = (jnp.zeros((1, 2, 4, 3)),) * 2, (jnp.ones((1, 1, 2, 3)),) * 2
+      >>> write_layer(cache, new, jnp.array([2]))[0][0, :, :, 0].tolist()
+      [[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]]
+    """
+    return tuple(
+        write_rows(c, jnp.swapaxes(n, 1, 2), start, axis=0, slot_axis=2) for c, n in zip(cache, new, strict=True)
+    )
 
 
 def pick_rows(x: jax.Array, index: jax.Array) -> jax.Array:
