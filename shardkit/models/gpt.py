@@ -30,7 +30,7 @@ from shardkit.core.errors import InputError, ModelError, short_repr
 from shardkit.core.partition import constrain, constrain_to, current_rules, free_mesh_shape, logical, without_axes
 from shardkit.core.rules import resolve
 from shardkit.models.dropout import dropout
-from shardkit.models.kv_cache import KV_NAMES, Decoder, LayerCaches, pick_rows, write_layer
+from shardkit.models.kv_cache import KV_NAMES, Decoder, LayerCaches, after_reads, pick_rows, write_layer
 from shardkit.models.lora import TARGETS, LoRA, is_adapter
 from shardkit.models.model import Model
 from shardkit.models.nnx_adapter import from_nnx
@@ -1107,6 +1107,8 @@ class GPT(nnx.Module):
                 written.append(kv)
         # The new slots written after every layer read the cache, each layer's own buffer in place
         # (one stacked buffer was sliced, that is copied, by every layer at every token).
+        if not fresh:
+            written = after_reads(x, written)
         return x, tuple(write_layer(old, new, positions[:, 0]) for old, new in zip(cache, written, strict=True))
 
     def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
