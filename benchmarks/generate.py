@@ -11,7 +11,8 @@ transformers (4.x or 5.x, with torch, not shardkit dependencies; run by ``--torc
 own process) generates from the same weights and prompt with the same number of threads.
 
 - **context**: a prompt of P tokens (P = 64 and 1024), then N new tokens; the decode loop is timed
-  alone (after its compile), so ms/token is the cost of a token with P..P+N cached positions.
+  alone (after its compile), so ms/token is the cost of a token with P..P+N cached positions. The
+  contexts are timed in turns, medians of ``--repeats`` rounds, so their ratio is of one spell.
 - **prefill**: the prompt's forward into the cache, after its compile, tokens/s of prompt.
 - **recompute**: the same request through the recompute decoder (the model run over the whole
   row for each new token: what ``generate`` did before the cache).
@@ -65,18 +66,9 @@ print(json.dumps(out))
 """
 
 
-def timed(fn, repeats):
-    """The median of ``repeats`` timings of ``fn()`` (which blocks until its result is ready)."""
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def shardkit_times(model, params, prompt, new, repeats, recompute=False):
-    """Prefill and decode seconds of one prompt, each compiled first, medians of ``repeats``."""
+def prepared(model, params, prompt, new, recompute=False):
+    """Compiled ``(prefill, decode)`` of one prompt: ``prefill()`` -> seconds; ``decode()`` ->
+    (seconds of the decode loop alone, after a fresh prefill; the new tokens)."""
     gen = Generator(model, params)
     if recompute:
         gen.decoder = recompute_decoder(lambda p, x: model.apply(p, x, None), model.decoder.max_seq)
@@ -90,21 +82,36 @@ def shardkit_times(model, params, prompt, new, repeats, recompute=False):
     inputs = (jax.numpy.asarray(tokens), jax.numpy.array([n], np.int32), jax.numpy.zeros(1, np.int32))
     live = jax.numpy.ones(1, bool)
 
-    def prefill():
+    def run_prefill():
         return jax.block_until_ready(gen._prefill(*args, *inputs, live))
 
+    def prefill():
+        t = time.perf_counter()
+        run_prefill()
+        return time.perf_counter() - t
+
     def decode():
-        state = prefill()
+        state = run_prefill()
         t = time.perf_counter()
         out = jax.block_until_ready(gen._decode(gen.decoder, gen.placement, sampling, gen.params, state, np.int32(new)))
-        return time.perf_counter() - t, out
+        return time.perf_counter() - t, np.asarray(out["out"])[0].tolist()
 
-    prefill()
     decode()  # compiles both
-    prefill_s = timed(prefill, repeats)
-    decode_s = statistics.median(decode()[0] for _ in range(repeats))
-    tokens_out = np.asarray(decode()[1]["out"])[0].tolist()
-    return prefill_s, decode_s, tokens_out
+    return prefill, decode
+
+
+def interleaved(requests, repeats):
+    """Median prefill and decode seconds of each request, timed in turns (one round times every
+    request once), so a busy spell of a shared machine falls on all of them; and its tokens."""
+    prefill = {key: [] for key in requests}
+    decode = {key: [] for key in requests}
+    tokens = {}
+    for _ in range(repeats):
+        for key, (run_prefill, run_decode) in requests.items():
+            prefill[key].append(run_prefill())
+            seconds, tokens[key] = run_decode()
+            decode[key].append(seconds)
+    return {key: (statistics.median(prefill[key]), statistics.median(decode[key]), tokens[key]) for key in requests}
 
 
 def torch_times(python, path, prompt_len, new, threads, repeats):
@@ -146,11 +153,12 @@ def main():
     model = cfg.model()
     params = jax.device_put(model.init(jax.random.key(0)), jax.devices()[0])
     rows = []
+    prompts = {p: [(i % 255) + 1 for i in range(p)] for p in args.contexts}
+    cached = interleaved({p: prepared(model, params, prompts[p], args.new) for p in args.contexts}, args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         path = hf.save_pretrained(params, cfg, pathlib.Path(tmp) / "mini")
         for p in args.contexts:
-            prompt = [(i % 255) + 1 for i in range(p)]
-            prefill_s, decode_s, tokens = shardkit_times(model, params, prompt, args.new, args.repeats)
+            prefill_s, decode_s, tokens = cached[p]
             row = {
                 "context": p,
                 "new": args.new,
@@ -158,9 +166,8 @@ def main():
                 "shardkit_decode_ms_per_token": 1e3 * decode_s / (args.new - 1),
                 "shardkit_decode_tok_s": (args.new - 1) / decode_s,
             }
-            _, recompute_s, recompute_tokens = shardkit_times(
-                model, params, prompt, args.new, max(1, args.repeats // 2), recompute=True
-            )
+            old_path = prepared(model, params, prompts[p], args.new, recompute=True)
+            _, recompute_s, recompute_tokens = interleaved({p: old_path}, max(1, args.repeats // 2))[p]
             row["recompute_decode_tok_s"] = (args.new - 1) / recompute_s
             row["same_tokens_as_recompute"] = tokens == recompute_tokens
             if args.torch_python:

@@ -64,6 +64,24 @@ def test_the_cache_gives_the_tokens_of_one_forward_per_token(name):
     assert got == [one_forward_per_token(reference_model, params, p, 14) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("name", ["tiny", "windowed"])
+def test_a_long_prompts_first_pass_in_blocks_equals_the_whole_forward(name):
+    """300 tokens: the prefill attends in blocks of 128 queries (plain and written-out attention,
+    a window and caps included); every position's next-token logits equal the training forward's."""
+    cfg = sk.models.GPTConfig.preset("tiny", max_seq=512, **CONFIGS[name])
+    model = cfg.model()
+    params = model.init(jax.random.key(2))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab, (2, 300)), jnp.int32)
+    dec = model.decoder
+    positions = jnp.broadcast_to(jnp.arange(300, dtype=jnp.int32), (2, 300))
+    prefill = jax.jit(lambda p, last: dec.prefill(p, dec.empty(2, 320), tokens, positions, last)[0])
+    whole = jax.jit(lambda p: model.apply(p, tokens, None))(params)  # (2, 300, V)
+    for last in ([299, 299], [127, 128], [5, 256]):  # ends of blocks, and inside them
+        got = prefill(params, jnp.asarray(last, jnp.int32))
+        want = whole[jnp.arange(2), jnp.asarray(last)]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
 def test_a_model_without_a_cache_runs_whole_rows_and_takes_an_experts_logits():
     """The README's way of wrapping the GPT (no ``decoder``): rows recomputed; a mixture of
     experts returns ``(logits, aux)`` and the logits are what is sampled from."""
