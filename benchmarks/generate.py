@@ -146,10 +146,14 @@ def main():
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--torch-python", default=None, help="a Python with torch and transformers")
     parser.add_argument("--max-seq", type=int, default=2048)
+    parser.add_argument("--dim", type=int, default=None, help="the model's width (default: mini's, 128)")
+    parser.add_argument("--layers", type=int, default=None, help="its layers (default: mini's, 4)")
+    parser.add_argument("--mlp-dim", type=int, default=None, help="its MLP width (default: mini's, 384)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    cfg = sk.models.GPTConfig.preset("mini", max_seq=args.max_seq)
+    sizes = {"dim": args.dim, "n_layers": args.layers, "mlp_dim": args.mlp_dim}
+    cfg = sk.models.GPTConfig.preset("mini", max_seq=args.max_seq, **{k: v for k, v in sizes.items() if v})
     model = cfg.model()
     params = jax.device_put(model.init(jax.random.key(0)), jax.devices()[0])
     rows = []
@@ -184,7 +188,10 @@ def main():
             rows.append(row)
     flat = rows[-1]["shardkit_decode_ms_per_token"] / rows[0]["shardkit_decode_ms_per_token"]
     cache = llama_8b_cache(batch=1, length=8192)
-    print(f"model: mini (max_seq {args.max_seq}), one prompt, {args.new} new tokens, fp32, {args.threads} threads")
+    print(
+        f"model: mini (dim {cfg.dim}, {cfg.n_layers} layers, MLP {cfg.mlp_dim}, max_seq {args.max_seq}), one prompt, "
+        f"{args.new} new tokens, fp32, {args.threads} threads"
+    )
     cols = [
         ("context", "context", "{}"),
         ("prefill tok/s", "shardkit_prefill_tok_s", "{:.0f}"),

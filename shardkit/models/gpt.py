@@ -254,7 +254,7 @@ class GPTConfig:
 
     def decoder(self) -> Decoder:
         """How this GPT continues token rows with a KV cache (:mod:`shardkit.models.kv_cache`):
-        keys and values ``(L, B, N, C, K)`` per layer, rows over the batch axes, kv heads over
+        each layer's own keys and values ``(B, N, C, K)``, rows over the batch axes, kv heads over
         ``tensor``. A mixture of experts routes every token to its top-k experts with no capacity
         (as inference does; a training capacity would drop tokens by what else is in the batch).
 
