@@ -286,6 +286,17 @@ def _convolves(jaxpr: Any) -> bool:
     return jaxpr is not None and any(eqn.primitive.name == "conv_general_dilated" for eqn in _equations(jaxpr.jaxpr))
 
 
+# Operations the partitioner runs on the whole batch, whatever the rows' split: XLA's TopK custom
+# call has no sharding rule, so its operand is gathered over the batch axes (a mixture of
+# experts' router: every token's expert scores, at every layer).
+_GATHERS_ROWS = frozenset({"top_k"})
+
+
+def _gathers_rows(jaxpr: Any) -> bool:
+    """Whether a traced loss holds an operation the partitioner gathers over the batch axes."""
+    return jaxpr is not None and any(eqn.primitive.name in _GATHERS_ROWS for eqn in _equations(jaxpr.jaxpr))
+
+
 def choose(
     model: Model,
     loss: LossFn,
@@ -341,12 +352,13 @@ def choose(
         return reducing(()), info
     per_microbatch, once = reducing(()), reducing(axes)
     # A convolution's weight gradient vmapped over row blocks gathers the rows (measured: a ViT
-    # with 2 microbatches moved 1.87x its bound under data=8): its blocks go by shard_map.
+    # with 2 microbatches moved 1.87x its bound under data=8), and so does a top-k under either:
+    # their blocks go by shard_map, where each device holds its own rows only.
     once_by_shard_map = reducing(axes, by_shard_map=True) if schedule is None else once
 
     def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
         jaxpr, found = _trace(model, loss, precision, plan, params, batch, key, microbatches, axes)
-        reduced_once = once_by_shard_map if _convolves(jaxpr) else once
+        reduced_once = once_by_shard_map if _convolves(jaxpr) or _gathers_rows(jaxpr) else once
         if found and reduce == "once":
             raise ModelError(
                 f"reduce_gradients='once' with model {model.name}: {found}. Fix: draw dropout with "
@@ -365,20 +377,27 @@ def _one_pass(
 
     XLA reduces each use's gradient of a parameter over the batch axes before it adds them: a
     parameter the model reads twice (an embedding table tied to the output layer, a table shared
-    by an encoder and a decoder, a layer applied twice) has its gradient reduced twice. Where
-    the model reads some parameter more than once, and reducing once after each device sums its
-    own rows' gradients costs no memory (no batch axis splits the parameters), that is what the
-    step does (:func:`once_reduced_grads` without a loop); otherwise XLA's one pass.
+    by an encoder and a decoder, a layer applied twice) has its gradient reduced twice. And some
+    operations the partitioner runs on the whole batch, gathering the rows (:data:`_GATHERS_ROWS`).
+    Where either holds, and reducing once after each device sums its own rows' gradients costs
+    no memory (no batch axis splits the parameters), that is what the step does
+    (:func:`once_reduced_grads` without a loop: each device's rows by ``shard_map`` where the
+    model convolves or gathers rows, else by vmap); otherwise XLA's one pass.
     """
     axes = _row_axes(plan)
     if reduce == "per_microbatch" or _model_reason(model) or _layout_reason(plan, axes, "auto"):
         return plain
     megatron = reduced_as_megatron(plain_grads(model, loss, precision), plan, tables=False)
     once = once_reduced_grads(megatron, 1, plan, axes)
+    own_rows = once_reduced_grads(megatron, 1, plan, axes, by_shard_map=True)
 
     def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
         jaxpr, reason = _trace(model, loss, precision, plan, params, batch, key, 1, axes)
-        shared = not reason and _reads_a_parameter_twice(jaxpr, len(jax.tree.leaves(params)))
+        if reason:
+            return plain(params, model_state, batch, key)
+        shared = _reads_a_parameter_twice(jaxpr, len(jax.tree.leaves(params)))
+        if _gathers_rows(jaxpr) or (shared and _convolves(jaxpr)):  # a vmap over row blocks would gather
+            return own_rows(params, model_state, batch, key)
         return (once if shared else plain)(params, model_state, batch, key)
 
     return grads
@@ -391,11 +410,7 @@ _VIEWS = frozenset({"convert_element_type", "copy", "copy_p", "sharding_constrai
 def _reads_a_parameter_twice(jaxpr: Any, n_params: int) -> bool:
     """Whether some parameter (the first ``n_params`` inputs of ``jaxpr``) is read by more than
     one operation: through views and into called programs (jit, remat, custom derivatives), a
-    loop's constant counting as read on every iteration. Not for convolutions, whose weight
-    gradient vmapped over row blocks XLA computes by gathering the rows (measured: a ViT's
-    step moved 1.29x the bytes)."""
-    if _convolves(jaxpr):
-        return False
+    loop's constant counting as read on every iteration."""
 
     def reads(var: Any, program: Any) -> int:
         count = sum(1 for out in program.outvars if out is var)
