@@ -299,6 +299,12 @@ def explain(
             "sk.constrain the op's operands to the batch split; for a lookup, split the table and the ids as "
             "the rules say.",
         )
+    if c.kind == "all-reduce" and batch_only and c.payload_bytes <= 64:
+        return (
+            f"a few numbers summed over {axes}: the step's loss and its count of scored tokens, each device "
+            "having summed its own rows.",
+            "none needed: every data-parallel step sums its loss over the rows' devices.",
+        )
     if c.kind in ("all-reduce", "reduce-scatter") and batch_only and c.direction == "forward":
         return (
             f"an activation is reduced over {axes} in the forward pass: a parameter's split over a batch axis reached "
