@@ -161,6 +161,8 @@ def test_a_users_top_k_router_keeps_each_devices_rows(layout):
     assert not [c for c in r.collectives if "top_k" in c.op], r.table()
     assert not [e for e in r.beyond() if "top_k" in e.op or "TopK" in e.cause], r.extras()
     assert r.to_dict()["bytes_by_axes"]["data"] <= 1.01 * r.lower_bound["bytes_data"], r.lower_bound
+    sums = [e for e in r.beyond() if e.axes == ("data",) and e.total_bytes <= 64]  # each device's loss summed
+    assert all("the step's loss and its count" in e.cause for e in sums), r.extras()
 
 
 def test_the_bound_of_a_model_of_images_counts_its_patches_not_its_rows_of_pixels():
