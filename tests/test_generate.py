@@ -186,16 +186,22 @@ def test_the_cache_is_split_by_the_generation_layout_and_its_bytes_reported(tiny
     assert Generator(model, params).cache_bytes_per_device(2, 24) == whole
 
 
+def compiled_decode_loop(gen: Generator) -> tuple[dict, str]:
+    """One 8-token prompt's state after its prefill (64 positions), and the text of the compiled
+    loop that decodes 8 tokens from it."""
+    state = gen._prefill(
+        gen.decoder, gen.placement, Sampling(), 64, 8, gen.params, jnp.ones((1, 8), jnp.int32),
+        jnp.array([8], jnp.int32), jnp.zeros(1, jnp.int32), jnp.ones(1, bool),
+    )  # fmt: skip
+    lowered = gen._decode.lower(gen.decoder, gen.placement, Sampling(), gen.params, state, jnp.int32(8))
+    return state, lowered.compile().as_text()
+
+
 def test_a_decode_step_costs_one_tokens_work_and_one_device_needs_no_collectives(tiny):
     """The compiled decode loop's FLOPs, against the recompute decoder's over the same cache length."""
     model, params = tiny
     cached = Generator(model, params)
-    state = cached._prefill(
-        cached.decoder, cached.placement, Sampling(), 64, 8, cached.params, jnp.ones((1, 8), jnp.int32),
-        jnp.array([8], jnp.int32), jnp.zeros(1, jnp.int32), jnp.ones(1, bool),
-    )  # fmt: skip
-    lowered = cached._decode.lower(cached.decoder, cached.placement, Sampling(), cached.params, state, jnp.int32(8))
-    text = lowered.compile().as_text()
+    state, text = compiled_decode_loop(cached)
     assert "while" in text and sum(hlo.count(text).values()) == 0
     recompute = recompute_decoder(lambda p, x: model.apply(p, x, None), 128)
 
@@ -216,13 +222,7 @@ def test_a_decode_step_reads_each_layers_weights_and_cache_where_they_lie(tiny):
     and no layer's cache is copied to be updated: each such copy (at every token) read and wrote
     as many bytes again as the matmuls read."""
     model, params = tiny
-    gen = Generator(model, params)
-    state = gen._prefill(
-        gen.decoder, gen.placement, Sampling(), 64, 8, gen.params, jnp.ones((1, 8), jnp.int32),
-        jnp.array([8], jnp.int32), jnp.zeros(1, jnp.int32), jnp.ones(1, bool),
-    )  # fmt: skip
-    lowered = gen._decode.lower(gen.decoder, gen.placement, Sampling(), gen.params, state, jnp.int32(8))
-    text = lowered.compile().as_text()
+    state, text = compiled_decode_loop(Generator(model, params))
     layer_sizes = {int(np.prod(w.shape[1:])) for w in jax.tree.leaves(params["blocks"])}
     layer_sizes.add(int(np.prod(state["cache"][0][0].shape)))
     sliced = []
