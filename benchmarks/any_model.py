@@ -13,7 +13,7 @@ simulated CPU devices.
     python benchmarks/any_model.py --layers 8 --remat   # each layer recomputed (nnx.remat / nn.remat)
     python benchmarks/any_model.py --layers 8 --remat dots   # only the gathered weights recomputed
     python benchmarks/any_model.py --kv-heads 8 --layout tensor=8 --layout data=2,fsdp=4
-    python benchmarks/any_model.py --zoo    # examples/zoo.py: seven styles, four layouts, the named excess
+    python benchmarks/any_model.py --zoo    # examples/zoo.py: eight styles, four layouts, the named excess
 
 The hybrid and ``tensor=8`` rows also measure shardkit's rewrite of the backward pass
 (``shardkit.parallel.input_gradients``): separate projections of one input reduce their input
@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument(
         "--layout", action="append", help=f"a layout to measure (repeat the flag; default: {', '.join(LAYOUTS)})"
     )
-    parser.add_argument("--zoo", action="store_true", help="measure examples/zoo.py's seven models instead")
+    parser.add_argument("--zoo", action="store_true", help="measure examples/zoo.py's eight models instead")
     parser.add_argument("--json", default=None, help="default benchmarks/results/any_model.json (zoo: zoo.json)")
     args = parser.parse_args()
     if args.zoo:

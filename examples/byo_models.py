@@ -31,6 +31,7 @@ class LMConfig:
     # dots_saveable only the matmuls' inputs that are not matmul outputs are recomputed: under
     # FSDP that is the gathered weights, gathered again in the backward pass as ZeRO-3 does.
     remat_policy: Any = None
+    experts: int = 0  # > 0: each block's MLP is a top-2 mixture of this many experts (Linen)
 
 
 def causal_attention(q, k, v):
@@ -236,6 +237,27 @@ class LinenAttention(nn.Module):
         )(out)
 
 
+class LinenTopTwoExperts(nn.Module):
+    """A top-2 mixture of experts as small research code writes it: every expert runs every
+    token, and the gates (zero outside each token's two experts) weigh the outputs."""
+
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg, init = self.cfg, nn.initializers.lecun_normal()
+        router = nn.Dense(cfg.experts, use_bias=False, name="router")
+        probs = jax.nn.softmax(router(x), axis=-1)  # (B, T, E)
+        top, index = jax.lax.top_k(probs, 2)  # (B, T, 2)
+        weights = top / top.sum(-1, keepdims=True)
+        gates = (jax.nn.one_hot(index, cfg.experts, dtype=x.dtype) * weights[..., None]).sum(-2)  # (B, T, E)
+        shape_in, shape_out = (cfg.experts, cfg.dim, cfg.mlp), (cfg.experts, cfg.mlp, cfg.dim)
+        w_in = self.param("w_in", nn.with_logical_partitioning(init, ("expert", "embed", "mlp")), shape_in)
+        w_out = self.param("w_out", nn.with_logical_partitioning(init, ("expert", "mlp", "embed")), shape_out)
+        h = nn.silu(jnp.einsum("btd,edf->btef", x, w_in))  # (B, T, E, F)
+        return jnp.einsum("bted,bte->btd", jnp.einsum("btef,efd->bted", h, w_out), gates)
+
+
 class LinenBlock(nn.Module):
     cfg: LMConfig
 
@@ -244,6 +266,8 @@ class LinenBlock(nn.Module):
         scale = nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",))
         x = x + LinenAttention(self.cfg, name="attention")(nn.RMSNorm(scale_init=scale)(x), positions)
         h = nn.RMSNorm(scale_init=scale)(x)
+        if self.cfg.experts:
+            return x + LinenTopTwoExperts(self.cfg, name="experts")(h)
         dense = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
         h = nn.silu(nn.Dense(self.cfg.mlp, use_bias=False, kernel_init=dense, name="wi")(h))
         back = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "embed"))

@@ -10,6 +10,9 @@
 - ``vit``: NNX, a patch convolution and a transformer encoder, a classification loss;
 - ``user_moe``: NNX, a decoder whose MLP is a top-2 mixture of experts with GShard's einsum
   dispatch (capacity per row);
+- ``linen_moe``: Linen, the ``linen_lm`` whose MLP is a top-2 mixture of experts as small
+  research code writes it: every expert runs every token, gates weigh the outputs
+  (``byo_models.LinenTopTwoExperts``);
 - ``cnn_batchnorm``: NNX, residual convolutions with ``nnx.BatchNorm``.
 
 Nothing here imports shardkit. Each :class:`ZooEntry` gives the module's constructor, a batch
@@ -402,18 +405,14 @@ class ZooEntry:
 
 
 LINEN_CONFIG = LMConfig(dim=DIM, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, mlp=MLP, layers=LAYERS)
+LINEN_MOE_CONFIG = dataclasses.replace(LINEN_CONFIG, experts=4)
 ZOO: dict[str, ZooEntry] = {
     "gemma_style": ZooEntry(GemmaStyleLM, token_batch, next_token, True),
-    "linen_lm": ZooEntry(
-        None,
-        token_batch,
-        next_token,
-        True,
-        linen=LinenLM(LMConfig(dim=DIM, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, mlp=MLP, layers=LAYERS)),
-    ),
+    "linen_lm": ZooEntry(None, token_batch, next_token, True, linen=LinenLM(LINEN_CONFIG)),
     "llama_style": ZooEntry(LlamaStyleLM, token_batch, next_token, True),
     "encoder_decoder": ZooEntry(EncoderDecoder, translation_batch, translation, False),
     "vit": ZooEntry(ViT, image_batch, classification, False),
     "user_moe": ZooEntry(user_moe_lm, token_batch, next_token, True),
+    "linen_moe": ZooEntry(None, token_batch, next_token, True, linen=LinenLM(LINEN_MOE_CONFIG)),
     "cnn_batchnorm": ZooEntry(SmallResNet, image_batch, classification, False),
 }

@@ -1,4 +1,4 @@
-"""The zoo (examples/zoo.py): seven models written in the styles users write, none of which
+"""The zoo (examples/zoo.py): eight models written in the styles users write, none of which
 calls shardkit. Under every layout their shapes allow, each trains as an independent one-device
 Flax loop does; the module boundaries never move more bytes than the model with them off; and
 the report names at least 90% of what each step moves beyond its bound, op by op."""
@@ -162,7 +162,20 @@ def test_a_users_top_k_router_keeps_each_devices_rows(layout):
     assert not [e for e in r.beyond() if "top_k" in e.op or "TopK" in e.cause], r.extras()
     assert r.to_dict()["bytes_by_axes"]["data"] <= 1.01 * r.lower_bound["bytes_data"], r.lower_bound
     sums = [e for e in r.beyond() if e.axes == ("data",) and e.total_bytes <= 64]  # each device's loss summed
-    assert all("the step's loss and its count" in e.cause for e in sums), r.extras()
+    assert all("a statistic of the whole batch" in e.cause for e in sums), r.extras()
+
+
+def test_a_linen_models_logical_expert_axis_splits_over_tensor_as_flax_s_mesh_name_does():
+    # nn.with_logical_partitioning(init, ("expert", "embed", "mlp")): Linen's logical 'expert'
+    # resolves as NNX's mesh-axis 'expert' and shardkit's 'experts' do, whole experts over tensor.
+    t = quiet_trainer("linen_moe", "data=4,tensor=2")
+    specs = jax.tree.leaves(t.plan.param_specs, is_leaf=lambda x: isinstance(x, P))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(t.plan.abstract_params)]
+    experts = [tuple(spec) for path, spec in zip(paths, specs, strict=True) if "w_in" in path or "w_out" in path]
+    assert len(experts) == 4 and all(spec[0] == "tensor" and "tensor" not in spec[1:] for spec in experts), experts
+    r = report("linen_moe", "data=4,tensor=2")
+    forward = [c for c in r.collectives if "experts/" in c.op and c.kind == "all-reduce" and c.direction == "forward"]
+    assert forward and all(c.payload_bytes <= r.lower_bound["activation_bytes"] for c in forward), r.table()
 
 
 def test_the_bound_of_a_model_of_images_counts_its_patches_not_its_rows_of_pixels():

@@ -301,9 +301,9 @@ def explain(
         )
     if c.kind == "all-reduce" and batch_only and c.payload_bytes <= 64:
         return (
-            f"a few numbers summed over {axes}: the step's loss and its count of scored tokens, each device "
-            "having summed its own rows.",
-            "none needed: every data-parallel step sums its loss over the rows' devices.",
+            f"a few numbers reduced over {axes}: a statistic of the whole batch (the step's loss and its count "
+            "of scored tokens, or a maximum over every row), each device having reduced its own rows.",
+            "none needed: a few bytes a step, as every data-parallel step reduces its loss.",
         )
     if c.kind in ("all-reduce", "reduce-scatter") and batch_only and c.direction == "forward":
         return (

@@ -289,6 +289,10 @@ def specs_for(
         names, extended = ax.names, rules
         if ax.flax and names is not None:
             names, extended = _mesh_names_as_rules(names, rules, mesh_shape)
+        elif names is not None and "expert" in names and "expert" not in rules and "experts" in rules:
+            # A logical 'expert' (a Linen model's own name for its experts' dimension) is shardkit's
+            # 'experts', as Flax's mesh-axis name 'expert' is: NNX and Linen resolve alike.
+            names = tuple("experts" if n == "expert" else n for n in names)
         return resolve(
             names,  # type: ignore[arg-type]  # Flax's grouped names are rules by now
             shape,
