@@ -76,6 +76,26 @@ def test_three_sources_resolve_to_the_same_specs():
     assert regex_specs["up_0/bias"] == "[tensor]"
 
 
+class LinenExperts(nn.Module):
+    """Experts' weights named with a logical 'expert', as a Linen MoE names them."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        w = self.param("w", nn.with_logical_partitioning(init, ("expert", "embed", "mlp")), (4, D, F))
+        return jnp.einsum("bd,edf->bf", x, w)
+
+
+def test_a_linen_logical_expert_resolves_as_experts_unless_the_rules_name_it():
+    model = sk.from_linen(LinenExperts(), jnp.zeros((2, D)))
+    table = lambda **kw: {
+        r["path"]: r["spec"]
+        for r in sk.Trainer(model, optax.sgd(0.1), "data=2,tensor=4", loss=sk.mse_loss, **kw).sharding_table()
+    }
+    assert table()["w"] == "[tensor, -, -]"  # whole experts over tensor, as shardkit's own 'experts'
+    assert table(rules=sk.default_rules() + sk.Rules.of(expert=None))["w"] == "[-, -, tensor]"  # the user's rule wins
+
+
 @pytest.mark.parametrize("layout", ["data=8", "fsdp=2,tensor=4"])
 def test_linen_model_matches_single_device(layout):
     module = LinenMLP()
