@@ -116,15 +116,19 @@ def mlp_reductions_over_tensor(r) -> list:
     return [c for c in r.collectives if "mlp/" in c.op and c.kind == "all-reduce" and c.axes == ("tensor",)]
 
 
-def test_a_users_experts_split_over_tensor_reduce_at_the_tokens_size():
-    # top-2 GShard dispatch written as einsums. By default the experts (named "expert") are split
-    # over tensor, each whole on its device: the partial sum is left after the combine, at a
-    # layer's activation, not at the (B, E, C, D) buffers as with the hidden units split.
-    t = quiet_trainer("user_moe", "data=4,tensor=2")
+def assert_whole_experts_over_tensor(t: sk.Trainer) -> None:
+    """The experts' weights of both layers ``(E, ...)`` split over tensor by the experts alone."""
     specs = jax.tree.leaves(t.plan.param_specs, is_leaf=lambda x: isinstance(x, P))
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(t.plan.abstract_params)]
     experts = [tuple(spec) for path, spec in zip(paths, specs, strict=True) if "w_in" in path or "w_out" in path]
     assert len(experts) == 4 and all(spec[0] == "tensor" and "tensor" not in spec[1:] for spec in experts), experts
+
+
+def test_a_users_experts_split_over_tensor_reduce_at_the_tokens_size():
+    # top-2 GShard dispatch written as einsums. By default the experts (named "expert") are split
+    # over tensor, each whole on its device: the partial sum is left after the combine, at a
+    # layer's activation, not at the (B, E, C, D) buffers as with the hidden units split.
+    assert_whole_experts_over_tensor(quiet_trainer("user_moe", "data=4,tensor=2"))
     r = report("user_moe", "data=4,tensor=2")
     forward = [c for c in mlp_reductions_over_tensor(r) if c.direction == "forward"]
     assert forward and all(c.payload_bytes <= r.lower_bound["activation_bytes"] for c in forward), r.table()
@@ -168,11 +172,7 @@ def test_a_users_top_k_router_keeps_each_devices_rows(layout):
 def test_a_linen_models_logical_expert_axis_splits_over_tensor_as_flax_s_mesh_name_does():
     # nn.with_logical_partitioning(init, ("expert", "embed", "mlp")): Linen's logical 'expert'
     # resolves as NNX's mesh-axis 'expert' and shardkit's 'experts' do, whole experts over tensor.
-    t = quiet_trainer("linen_moe", "data=4,tensor=2")
-    specs = jax.tree.leaves(t.plan.param_specs, is_leaf=lambda x: isinstance(x, P))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(t.plan.abstract_params)]
-    experts = [tuple(spec) for path, spec in zip(paths, specs, strict=True) if "w_in" in path or "w_out" in path]
-    assert len(experts) == 4 and all(spec[0] == "tensor" and "tensor" not in spec[1:] for spec in experts), experts
+    assert_whole_experts_over_tensor(quiet_trainer("linen_moe", "data=4,tensor=2"))
     r = report("linen_moe", "data=4,tensor=2")
     forward = [c for c in r.collectives if "experts/" in c.op and c.kind == "all-reduce" and c.direction == "forward"]
     assert forward and all(c.payload_bytes <= r.lower_bound["activation_bytes"] for c in forward), r.table()
