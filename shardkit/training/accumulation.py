@@ -281,20 +281,19 @@ def _each_device_by_shard_map(grads_fn: GradsFn, plan: ShardingPlan, axes: tuple
     )
 
 
-def _convolves(jaxpr: Any) -> bool:
-    """Whether a traced loss convolves (``conv_general_dilated`` anywhere in it)."""
-    return jaxpr is not None and any(eqn.primitive.name == "conv_general_dilated" for eqn in _equations(jaxpr.jaxpr))
-
-
 # Operations the partitioner runs on the whole batch, whatever the rows' split: XLA's TopK custom
 # call has no sharding rule, so its operand is gathered over the batch axes (a mixture of
 # experts' router: every token's expert scores, at every layer).
 _GATHERS_ROWS = frozenset({"top_k"})
 
+# Operations whose rows XLA gathers when each device's block is vmapped over: those above, and a
+# convolution's weight gradient (a ViT with 2 microbatches moved 1.87x its bound under data=8).
+_GATHERS_ROWS_UNDER_VMAP = _GATHERS_ROWS | {"conv_general_dilated"}
 
-def _gathers_rows(jaxpr: Any) -> bool:
-    """Whether a traced loss holds an operation the partitioner gathers over the batch axes."""
-    return jaxpr is not None and any(eqn.primitive.name in _GATHERS_ROWS for eqn in _equations(jaxpr.jaxpr))
+
+def _primitives(jaxpr: Any) -> frozenset[str]:
+    """The names of the operations anywhere in a traced loss (none when there is no trace)."""
+    return frozenset() if jaxpr is None else frozenset(eqn.primitive.name for eqn in _equations(jaxpr.jaxpr))
 
 
 def choose(
@@ -351,14 +350,13 @@ def choose(
         info.reduces, info.reason = "per_microbatch", reason or "asked for"
         return reducing(()), info
     per_microbatch, once = reducing(()), reducing(axes)
-    # A convolution's weight gradient vmapped over row blocks gathers the rows (measured: a ViT
-    # with 2 microbatches moved 1.87x its bound under data=8), and so does a top-k under either:
-    # their blocks go by shard_map, where each device holds its own rows only.
+    # Where a vmap over row blocks would gather the rows, the blocks go by shard_map: each device
+    # holds its own rows only.
     once_by_shard_map = reducing(axes, by_shard_map=True) if schedule is None else once
 
     def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
         jaxpr, found = _trace(model, loss, precision, plan, params, batch, key, microbatches, axes)
-        reduced_once = once_by_shard_map if _convolves(jaxpr) or _gathers_rows(jaxpr) else once
+        reduced_once = once_by_shard_map if _primitives(jaxpr) & _GATHERS_ROWS_UNDER_VMAP else once
         if found and reduce == "once":
             raise ModelError(
                 f"reduce_gradients='once' with model {model.name}: {found}. Fix: draw dropout with "
@@ -395,8 +393,8 @@ def _one_pass(
         jaxpr, reason = _trace(model, loss, precision, plan, params, batch, key, 1, axes)
         if reason:
             return plain(params, model_state, batch, key)
-        shared = _reads_a_parameter_twice(jaxpr, len(jax.tree.leaves(params)))
-        if _gathers_rows(jaxpr) or (shared and _convolves(jaxpr)):  # a vmap over row blocks would gather
+        shared, ops = _reads_a_parameter_twice(jaxpr, len(jax.tree.leaves(params))), _primitives(jaxpr)
+        if ops & _GATHERS_ROWS or (shared and ops & _GATHERS_ROWS_UNDER_VMAP):
             return own_rows(params, model_state, batch, key)
         return (once if shared else plain)(params, model_state, batch, key)
 
