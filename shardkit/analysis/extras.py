@@ -48,6 +48,8 @@ from typing import Any
 from shardkit.analysis.report_data import CollectiveStat
 
 BATCH_AXES = frozenset({"data", "fsdp"})
+# Every axis that splits the rows: a gradient may be reduced over any of them.
+ROW_AXES = BATCH_AXES | {"expert"}
 # A term over its share of the bound by less than this part of it is rounding (arrays padded to
 # divide their axes), not traffic to name.
 ROUNDING = 0.005
@@ -91,7 +93,8 @@ class Excess:
 
 
 def term_of(c: CollectiveStat) -> str:
-    """The bound's term whose traffic ``c`` is: ``parameters``, ``tensor``, ``stage``, or ``""``."""
+    """The bound's term whose traffic ``c`` is: ``parameters``, ``tensor``, ``stage``, ``expert``,
+    or ``""``."""
     axes = set(c.axes)
     if not axes:
         return ""
@@ -99,6 +102,12 @@ def term_of(c: CollectiveStat) -> str:
         return "stage" if axes == {"stage"} else ""
     if c.kind == "all-reduce" and axes == {"tensor"}:
         return "tensor"
+    if (axes == {"expert"} and c.kind in ("all-to-all", "all-gather")) or (
+        axes == {"expert"} and c.kind == "reduce-scatter" and c.direction == "forward"
+    ):
+        return "expert"  # tokens to their experts and back (a dense mixture: rows gathered, sums scattered)
+    if axes <= ROW_AXES and c.kind in ("reduce-scatter", "all-reduce") and c.direction == "backward":
+        return "parameters"  # gradients reduced over the axes that split the rows
     if axes <= BATCH_AXES:
         if c.kind == "all-gather" and "fsdp" in axes:
             return "parameters"  # ZeRO-3 gathers weights for the forward and again for the backward
@@ -108,6 +117,7 @@ def term_of(c: CollectiveStat) -> str:
 
 
 def _budget(bound: Mapping[str, float], term: str) -> float:
+    """Bytes the bound allows a term (``parameters``: the ``fsdp`` and ``data`` terms together)."""
     if term == "parameters":
         return bound.get("bytes_fsdp", 0.0) + bound.get("bytes_data", 0.0)
     return bound.get(f"bytes_{term}", 0.0)
@@ -244,6 +254,36 @@ def _separate_projections(stats: list[CollectiveStat]) -> set[str]:
     return {op for ops in by_parent.values() if len(ops) >= 2 for op in ops}
 
 
+FIX_EXPERTS = (
+    "write the experts as a matmul of the routed tokens with the stacked weights (an einsum whose experts "
+    "dimension is a batch dimension, as GShard's dispatch), name the weights' dimension 'experts', or call "
+    "sk.parallel.moe_layer, which routes, dispatches and combines under any layout."
+)
+
+
+def _explain_expert(c: CollectiveStat) -> tuple[str, str]:
+    """``(cause, fix)`` of traffic over ``expert`` beyond the experts' dispatch and combine."""
+    if c.kind == "all-gather" and c.payload_bytes and "dot_general" in c.op:
+        return (
+            "expert weights (or tokens) gathered over expert for an experts' matmul: XLA moved the weights to "
+            "the tokens (ZeRO-3 over the experts) where expert parallelism moves the tokens.",
+            FIX_EXPERTS,
+        )
+    if c.kind == "all-to-all":
+        return (
+            "more tokens moved to and from their experts than the routed tokens: a dispatch padded beyond "
+            "top_k x the capacity factor (a dropless einsum pads every expert to every token), or buffers "
+            "exchanged more than once each way.",
+            "lower the capacity factor, or route dropless by sorting tokens by expert "
+            "(sk.parallel.moe_layer(..., dropless=True) sends exactly the routed tokens).",
+        )
+    return (
+        f"a {c.kind} over expert the experts' dispatch and combine do not need: an array whose experts "
+        "dimension is split is gathered or reduced for an op that reads it whole.",
+        FIX_EXPERTS,
+    )
+
+
 def explain(
     c: CollectiveStat, term: str, projections: frozenset[str] | set[str] = frozenset(), activation: float = 0.0
 ) -> tuple[str, str]:
@@ -269,6 +309,8 @@ def explain(
             "where one fused matmul reduces once.",
             _FIX_PROJECTIONS,
         )
+    if term == "expert" or (c.kind == "all-to-all" and "expert" in c.axes):
+        return _explain_expert(c)
     if c.kind == "all-gather" and not batch_only:
         return (
             f"an array split over {axes} is gathered whole for this op: the op (a reshape, an einsum, a norm or a "

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from shardkit.analysis import hlo, hlo_uses, partitioned
+from shardkit.analysis import hlo, hlo_uses, mixtures, partitioned
 from shardkit.analysis.report_data import CollectiveStat, Memory, Report, moved_bytes, source_op
 from shardkit.core.errors import AnalysisError
 from shardkit.core.mesh import Layout
@@ -41,6 +41,7 @@ class CompiledStep(Protocol):
 
     mesh: Mesh
     model: Model
+    loss: Any  # (forward, batch) -> (mean loss, count): traced to find the model's mixtures of experts
     layout: Layout
     rules: Rules
     precision: Precision
@@ -187,6 +188,9 @@ def lower_bound(
     vocab_parallel: bool = False,
     tensor_blocks: int = 0,
     whole_over_tensor_bytes: float = 0.0,
+    expert_param_bytes: float = 0.0,
+    expert_whole_over_tensor_bytes: float = 0.0,
+    expert_bytes: float = 0.0,
 ) -> dict[str, float]:
     """The least a layout must move and hold per device (ring collectives, ZeRO, Megatron, and a
     pipeline's sends between stages).
@@ -209,18 +213,31 @@ def lower_bound(
         split over ``tensor`` (norm scales, a row-parallel layer's bias, a patch embedding, a
         position table, as Megatron keeps them): every tensor rank holds, gathers and reduces
         them whole.
+      expert_param_bytes: of ``param_bytes``, those of the experts' own weights (a dimension
+        named ``experts``), split over ``expert``: their gradients are reduced over the row axes
+        that do not split them (``data``), every other parameter's over every axis that splits
+        the rows (``data`` and ``expert``).
+      expert_whole_over_tensor_bytes: of ``expert_param_bytes``, those not split over ``tensor``
+        (counted in ``whole_over_tensor_bytes`` too).
+      expert_bytes: the experts' dispatch and combine over ``expert``
+        (:func:`shardkit.analysis.mixtures.expert_traffic`).
 
     Returns:
       ``{"bytes_per_device", "state_memory_per_device", "activation_bytes", plus each term}``.
     """
     d, f, t = layout_shape.get("data", 1), layout_shape.get("fsdp", 1), layout_shape.get("tensor", 1)
+    e = layout_shape.get("expert", 1)
     n = math.prod(layout_shape.values())
-    per_tensor_shard = (param_bytes - whole_over_tensor_bytes) / t + whole_over_tensor_bytes
+    shared_whole = whole_over_tensor_bytes - expert_whole_over_tensor_bytes
+    shared = (param_bytes - expert_param_bytes - shared_whole) / t + shared_whole
+    # The experts' weights: each device holds its experts' share (all of them without an expert axis).
+    experts = ((expert_param_bytes - expert_whole_over_tensor_bytes) / t + expert_whole_over_tensor_bytes) / e
     terms = {
         # ZeRO-3: gather the parameters for the forward and again for the backward, reduce-scatter grads.
-        "fsdp": 3 * moved_bytes("all-gather", per_tensor_shard, f),
-        # Data parallelism: all-reduce the (fsdp- and tensor-sharded) gradients.
-        "data": moved_bytes("all-reduce", per_tensor_shard / f, d),
+        "fsdp": 3 * moved_bytes("all-gather", shared + experts, f),
+        # Data parallelism: all-reduce the (fsdp- and tensor-sharded) gradients over the axes that
+        # split the rows and not the parameter: data and expert, but only data for the experts.
+        "data": moved_bytes("all-reduce", shared / f, d * e) + moved_bytes("all-reduce", experts / f, d),
         # Megatron: 2 all-reduces forward and 2 backward per layer of (b, s, h) activations, and
         # one each for a vocabulary-parallel embedding (forward) and output layer (backward).
         "tensor": (2 * (tensor_blocks or 2 * layers) + 2 * vocab_parallel)
@@ -230,6 +247,9 @@ def lower_bound(
         "stage": 2 * moved_bytes("collective-permute", activation_bytes, 2)
         if layout_shape.get("stage", 1) > 1
         else 0.0,
+        # Expert parallelism: tokens to their experts and back (all-to-alls), or a dense mixture's
+        # rows gathered and outputs reduce-scattered, forward and backward.
+        "expert": expert_bytes if e > 1 else 0.0,
     }
     return {
         "bytes_per_device": sum(terms.values()),
@@ -328,7 +348,7 @@ def build_report(
     rows = shape[0]
     layers = int(info.get("layers", 0))
     # One layer's (b, s, h) activation of one tensor-parallel group, summed over microbatches.
-    per_group_rows = rows / (layout_shape.get("data", 1) * layout_shape.get("fsdp", 1))
+    per_group_rows = rows / (layout_shape.get("data", 1) * layout_shape.get("fsdp", 1) * layout_shape.get("expert", 1))
     if "tokens" in batch:
         seq = shape[1] - 1 if len(shape) >= 2 else 1
     else:  # images, features: the positions the layers see are not the input's second dimension
@@ -337,6 +357,15 @@ def build_report(
     activation = per_group_rows * seq * info.get("dim", 0) * np.dtype(trainer.precision.compute).itemsize
     table = trainer.sharding_table()
     vocab_parallel = layers > 0 and any("vocab" in row["logical"] and "tensor" in row["spec"] for row in table)
+    experts = mixtures.bound_terms(
+        trainer.model,
+        trainer.loss,
+        batch,
+        trainer.param_specs,
+        layout_shape,
+        np.dtype(trainer.precision.compute).itemsize,
+        tokens=int(rows * seq) if "tokens" in batch else 0,
+    )
     bound = lower_bound(
         layout_shape,
         param_bytes,
@@ -348,6 +377,7 @@ def build_report(
         whole_over_tensor_bytes=_whole_over_tensor_bytes(params, trainer.param_specs)
         if layout_shape.get("tensor", 1) > 1
         else 0.0,
+        **experts,
     )
     model_flops = None
     if (

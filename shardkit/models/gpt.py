@@ -241,6 +241,8 @@ class GPTConfig:
             "matmul_params": self.num_params() - lookup_only,
             "max_seq": self.max_seq,
             "unrolled_layers": self.unrolled_layers,
+            # The router's k (its top k is a sort), and whether its dispatch pads to drop nothing.
+            **({"top_k": self.top_k, "moe_dropless": self.moe_dropless} if self.n_experts else {}),
         }
         model = from_nnx(
             lambda rngs: GPT(self, rngs=rngs),

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardkit.analysis.mixtures import expert_dims, parameter_leaves
 from shardkit.analysis.report_data import GRADIENT_REDUCTION_SCOPE
 from shardkit.core.errors import LayoutError, PipelineError, ShardkitError
 from shardkit.core.mesh import Layout
@@ -32,6 +33,7 @@ from shardkit.core.rules import entry_axes
 from shardkit.core.sharding import ShardingPlan
 from shardkit.core.state import TrainState, frozen_in, next_master, update_target
 from shardkit.models.model import Model, Params, apply_model
+from shardkit.parallel.expert_placement import place_experts
 from shardkit.parallel.pipeline import pipeline_value_and_grad
 from shardkit.parallel.schedule import Schedule, make_schedule
 from shardkit.training.losses import Batch, LossFn, scored_dtype
@@ -424,3 +426,22 @@ def make_step(
         return gathered(new), metrics
 
     return step
+
+
+def experts_placed(model: Model, plan: ShardingPlan) -> Model:
+    """``model`` whose forward pass keeps each expert matmul on the ``expert`` mesh axis
+    (:mod:`shardkit.parallel.expert_placement`), where the layout splits its experts' weights
+    over ``expert``; ``model`` itself otherwise (no expert axis, or no experts)."""
+    if plan.layout.size("expert") == 1:
+        return model
+    specs = jax.tree.leaves(plan.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    dims = {
+        i: d
+        for i, d in expert_dims(parameter_leaves(model)).items()
+        if d < len(specs[i]) and "expert" in entry_axes(specs[i][d])
+    }
+    if not dims:
+        return model
+    apply = place_experts(model.apply, dims, plan.mesh)
+    state_apply = None if model.state_apply is None else place_experts(model.state_apply, dims, plan.mesh)
+    return dataclasses.replace(model, apply=apply, state_apply=state_apply)

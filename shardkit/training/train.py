@@ -41,6 +41,7 @@ from shardkit.training.accumulation import choose
 from shardkit.training.losses import LossFn, cross_entropy, like, mse_loss, next_token_loss
 from shardkit.training.steps import (
     NonFiniteError,
+    experts_placed,
     gather_as_bits,
     halted,
     make_eval,
@@ -219,7 +220,13 @@ class Trainer:
         self.fallbacks = list(self.plan.fallbacks)
         self.vocab = vocab_size(self.abstract_params, model.axes)
         grads, self.accumulation = choose(
-            model, loss, self.precision, microbatches, self.plan, reduce_gradients, self.schedule
+            experts_placed(model, self.plan),
+            loss,
+            self.precision,
+            microbatches,
+            self.plan,
+            reduce_gradients,
+            self.schedule,
         )
         grads_to = params_to = None
         if zero >= 2:

@@ -1,0 +1,256 @@
+"""Experts computed where they live, in any mixture of experts: the traced forward pass with each
+expert matmul's expert dimension kept on the ``expert`` mesh axis.
+
+Under an ``expert`` axis each device holds ``E / n`` experts' weights and ``1 / n`` of its group's
+rows. Left alone, XLA's partitioner often meets a matmul of tokens with a stacked expert weight
+by gathering the weights over ``expert`` (ZeRO-3 over the experts: three times their bytes every
+step), or by all-reducing the output, where expert parallelism moves the tokens instead.
+:func:`place_experts` wraps a model's forward pass: it traces it, finds every matmul that reads
+an expert weight (a parameter with an ``experts`` dimension, through casts, reshapes, slices
+and into jit, remat and scan bodies), and constrains the expert dimension of its token operand
+and of its output to the ``expert`` axis, every other dimension left to the partitioner. So:
+
+- einsum dispatch (GShard's ``(E, G, C, D) x (E, D, F)``, the expert dimension a batch
+  dimension): the buffers go to their experts with an all-to-all and come back with one;
+- a dense mixture (``(B, T, D) x (E, D, F) -> (B, T, E, F)``): each expert group gathers its
+  rows and reduce-scatters the gated sum, the bytes such a mixture needs;
+- ``jax.lax.top_k`` (XLA's TopK custom call, which the partitioner runs on whole rows) is
+  computed by a stable sort that stays split by rows (:func:`top_k_by_rows`): the same values
+  and indices.
+
+Only shardings change: the values are the traced program's, and its remat and scan structure is
+kept (inner programs are re-traced with the constraints inside). A program without expert
+matmuls runs as traced.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> mesh = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+  >>> def moe(params, x):  # a dense mixture: every expert runs every token
+  ...     return jnp.einsum("btd,edf->btf", x, params["w"])
+  >>> placed = place_experts(moe, {0: 0}, mesh)
+  >>> params, x = {"w": jnp.ones((8, 4, 2))}, jnp.ones((16, 3, 4))
+  >>> bool(jnp.allclose(jax.jit(placed)(params, x), moe(params, x)))
+  True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax._src import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardkit.parallel.experts import top_k_by_rows
+
+# Operations that hand an operand's values on with its dimensions in the same order (a weight
+# keeps its expert dimension where it was).
+_SAME_DIMS = frozenset(
+    {"convert_element_type", "copy", "copy_p", "reduce_precision", "sharding_constraint", "slice", "dynamic_slice"}
+)
+_MATMULS = frozenset({"dot_general", "ragged_dot_general"})
+# Inner programs re-traced with constraints inside (their operands map one to one to its inputs).
+_INNER = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
+
+
+def place_experts(
+    fn: Callable[..., Any], expert_dims: Mapping[int, int], mesh: Mesh, axis: str = "expert"
+) -> Callable[..., Any]:
+    """``fn`` with the expert dimension of each expert matmul constrained to mesh axis ``axis``.
+
+    Args:
+      fn: a function whose first argument is the parameters (``apply(params, inputs, key)``).
+      expert_dims: ``{leaf index: dimension}`` of the expert weights among the parameters'
+        leaves in tree order: which of their dimensions indexes the experts.
+      mesh: the mesh the step runs on.
+      axis: the mesh axis the experts are split over.
+
+    Returns:
+      A function of the same arguments and results.
+    """
+
+    def placed(params: Any, *rest: Any) -> Any:
+        flat, tree = jax.tree.flatten((params, *rest))
+        n_params = len(jax.tree.leaves(params))
+        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
+        closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(*shapes)
+        dims = [expert_dims.get(i) if i < n_params else None for i in range(len(flat))]
+        walk = _Placement(mesh, axis)
+        outs = walk.evaluate(closed.jaxpr, closed.consts, flat, dims)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return placed
+
+
+class _Placement:
+    """Evaluates a jaxpr as traced, with the expert constraints placed; tracks, for each value
+    that is (a view of) an expert weight, which of its dimensions indexes the experts."""
+
+    def __init__(self, mesh: Mesh, axis: str):
+        self.mesh, self.axis, self.placed = mesh, axis, 0
+
+    def constrain(self, x: jax.Array, dim: int, axis: str | None = "") -> jax.Array:
+        """``x`` with dimension ``dim`` split over the experts' axis (or over ``axis``; None: whole)."""
+        spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
+        spec[dim] = self.axis if axis == "" else axis
+        self.placed += 1
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
+
+    def evaluate(self, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], dims: Sequence[int | None]) -> list:
+        env: dict[Any, Any] = {}
+        # Expert dimensions: of views of expert weights, and of the routed experts' outputs.
+        where: dict[Any, int] = {}
+        self.routed: dict[Any, int] = {}
+        read = lambda v: v.val if isinstance(v, Literal) else env[v]
+        for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), [*consts, *args], strict=True):
+            env[v] = x
+        for v, d in zip(jaxpr.invars, dims, strict=True):
+            if d is not None:
+                where[v] = d
+        for eqn in jaxpr.eqns:
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+                outs = self._equation(eqn, [read(v) for v in eqn.invars], [_get(where, v) for v in eqn.invars])
+            for v, x in zip(eqn.outvars, outs, strict=True):
+                env[v] = x
+            _follow(eqn, where)
+            _follow(eqn, self.routed, elementwise=True)
+        return [read(v) for v in jaxpr.outvars]
+
+    def _equation(self, eqn: Any, args: list[Any], dims: list[int | None]) -> list[Any]:
+        name = eqn.primitive.name
+        params = eqn.primitive.get_bind_params(eqn.params)
+        if name == "dot_general" and (dims[0] is not None) != (dims[1] is not None):
+            return [self._dot(eqn, args, dims)]
+        if name == "dot_general":
+            # Routed experts' outputs leave the experts (a combine): back to the tokens' split
+            # first, so the backward pass finds them there too.
+            args = [
+                x if _get(self.routed, v) is None else self.constrain(x, self.routed[v], None)
+                for x, v in zip(args, eqn.invars, strict=True)
+            ]
+        if name == "top_k":
+            values, indices = top_k_by_rows(args[0], int(eqn.params["k"]))
+            return [values, indices.astype(eqn.outvars[1].aval.dtype)]
+        if name in _INNER or name == "scan":
+            inner_dims = _scan_dims(eqn, dims) if name == "scan" else dims
+            if any(d is not None for d in inner_dims) or name == "scan":
+                rewritten = self._inner(eqn, params, inner_dims)
+                if rewritten is not None:
+                    return _bind(eqn, rewritten, args)
+        ans = eqn.primitive.bind(*args, **params)
+        return list(ans) if eqn.primitive.multiple_results else [ans]
+
+    def _dot(self, eqn: Any, args: list[Any], dims: list[int | None]) -> jax.Array:
+        """A matmul of tokens with an expert weight, its expert dimension kept on the axis."""
+        weight = 0 if dims[0] is not None else 1
+        d = dims[weight]
+        assert d is not None
+        (contract, batch) = eqn.params["dimension_numbers"]
+        tokens = args[1 - weight]
+        out_dim = None
+        if d in batch[weight]:
+            i = list(batch[weight]).index(d)
+            tokens = self.constrain(tokens, batch[1 - weight][i])
+            out_dim = i
+            self.routed[eqn.outvars[0]] = i
+        elif d not in contract[weight]:
+            free = [
+                k for k in range(eqn.invars[weight].aval.ndim) if k not in contract[weight] and k not in batch[weight]
+            ]
+            lhs_free = eqn.invars[0].aval.ndim - len(contract[0]) - len(batch[0])
+            out_dim = len(batch[0]) + (lhs_free if weight == 1 else 0) + free.index(d)
+        operands = [args[0], tokens] if weight == 0 else [tokens, args[1]]
+        out = eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(eqn.params))
+        return out if out_dim is None else self.constrain(out, out_dim)
+
+    def _inner(self, eqn: Any, params: dict[str, Any], dims: list[int | None]) -> dict[str, Any] | None:
+        """The equation's parameters with its inner program re-traced with constraints inside,
+        or None where it places none."""
+        key = "jaxpr" if eqn.primitive.name == "scan" else _INNER[eqn.primitive.name]
+        program = params[key]
+        closed = program if isinstance(program, ClosedJaxpr) else ClosedJaxpr(program, ())
+        avals = [v.aval for v in closed.jaxpr.invars]
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals]
+        before, routed = self.placed, self.routed
+        traced = jax.make_jaxpr(lambda *xs: self.evaluate(closed.jaxpr, closed.consts, xs, dims))(*specs)
+        self.routed = routed
+        if self.placed == before:
+            return None
+        if isinstance(program, ClosedJaxpr):
+            return {**params, key: traced}
+        if traced.consts:  # an open inner program takes no constants: they become leading inputs
+            return {**params, key: traced, "_consts": traced.consts}
+        return {**params, key: traced.jaxpr}
+
+
+def _follow(eqn: Any, where: dict[Any, int], elementwise: bool = False) -> None:
+    """Record where an expert dimension went through ``eqn``: through views (a weight's cast,
+    slice, transpose, squeeze, reshape of later dimensions), and with ``elementwise`` through
+    operations whose operands are scalars or shaped as their one output (an activation)."""
+    if not eqn.outvars or not eqn.invars:
+        return
+    out, name = eqn.outvars[0], eqn.primitive.name
+    d = _get(where, eqn.invars[0])
+    moved = None if d is None else _through_view(eqn, d)
+    if moved is not None:
+        where[out] = moved
+    elif elementwise and len(eqn.outvars) == 1 and name not in _MATMULS:
+        shape = out.aval.shape
+        if all(getattr(v.aval, "shape", ()) in ((), shape) for v in eqn.invars):
+            found = (_get(where, v) for v in eqn.invars)
+            d = next((k for k in found if k is not None), None)
+            if d is not None:
+                where[out] = d
+
+
+def _through_view(eqn: Any, d: int) -> int | None:
+    """The output dimension a view's input dimension ``d`` became (None: not a view, or gone)."""
+    name, out = eqn.primitive.name, eqn.outvars[0]
+    if name in _SAME_DIMS:
+        return d
+    if name == "transpose":
+        return list(eqn.params["permutation"]).index(d)
+    if name == "squeeze":
+        dropped = eqn.params["dimensions"]
+        return None if d in dropped else d - sum(1 for k in dropped if k < d)
+    if name == "broadcast_in_dim":
+        return eqn.params["broadcast_dimensions"][d]
+    if name == "reshape":
+        before, after = eqn.invars[0].aval.shape, out.aval.shape
+        # The same leading dimensions up to and including the experts': still there.
+        return d if tuple(before[: d + 1]) == tuple(after[: d + 1]) else None
+    return None
+
+
+def _get(where: dict[Any, int], v: Any) -> int | None:
+    return None if isinstance(v, Literal) else where.get(v)
+
+
+def _scan_dims(eqn: Any, dims: list[int | None]) -> list[int | None]:
+    """A scan's constants keep their expert dimension, each stacked input loses its leading one,
+    the carry is nobody's weight."""
+    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    out: list[int | None] = []
+    for j, d in enumerate(dims):
+        if j < n_consts:
+            out.append(d)
+        elif j < n_consts + n_carry or d is None or d == 0:
+            out.append(None)
+        else:
+            out.append(d - 1)
+    return out
+
+
+def _bind(eqn: Any, params: dict[str, Any], args: list[Any]) -> list[Any]:
+    consts = params.pop("_consts", None)
+    if consts is not None:
+        from jax._src.interpreters import partial_eval as pe
+
+        key = _INNER[eqn.primitive.name]
+        params[key] = pe.convert_constvars_jaxpr(params[key].jaxpr)
+        args = [*consts, *args]
+    ans = eqn.primitive.bind(*args, **params)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
