@@ -13,6 +13,10 @@
 - ``linen_moe``: Linen, the ``linen_lm`` whose MLP is a top-2 mixture of experts as small
   research code writes it: every expert runs every token, gates weigh the outputs
   (``byo_models.LinenTopTwoExperts``);
+- ``sorted_moe``: NNX, dropless top-2 experts: (token, choice) pairs sorted by expert, grouped
+  matmuls by ``jax.lax.ragged_dot`` (``SortedExperts``);
+- ``shared_expert_moe``: NNX, DeepSeek-style sigmoid scores, routed experts reached by a one-hot
+  einsum, and a shared expert every token passes through (``SharedAndRoutedExperts``);
 - ``cnn_batchnorm``: NNX, residual convolutions with ``nnx.BatchNorm``.
 
 Nothing here imports shardkit. Each :class:`ZooEntry` gives the module's constructor, a batch
@@ -243,6 +247,62 @@ def user_moe_lm(rngs: nnx.Rngs) -> LlamaStyleLM:
     return LlamaStyleLM(rngs, mlp=Top2Experts)
 
 
+class SortedExperts(nnx.Module):
+    """Dropless top-2 experts as MegaBlocks-style JAX code writes them: each (token, choice) pair
+    sorted by expert, the experts run as grouped matmuls (``jax.lax.ragged_dot`` over the sorted
+    rows, ``group_sizes`` tokens each), the outputs put back in token order and weighed."""
+
+    def __init__(self, rngs: nnx.Rngs, experts: int = 4, top_k: int = 2):
+        self.router = linear(DIM, experts, ("embed", None), rngs)
+        self.w_in = nnx.Param(names("expert", "embed", "mlp")(rngs.params(), (experts, DIM, MLP)))
+        self.w_out = nnx.Param(names("expert", "mlp", "embed")(rngs.params(), (experts, MLP, DIM)))
+        self.experts, self.top_k = experts, top_k
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        gates, index = jax.lax.top_k(jax.nn.softmax(self.router(x), axis=-1), self.top_k)  # (B, T, k)
+        gates = gates / gates.sum(-1, keepdims=True)
+        flat = index.reshape(-1)  # (B T k,) the expert of each (token, choice)
+        order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
+        rows = x.reshape(b * t, d)[order // self.top_k]  # (B T k, D)
+        sizes = jnp.bincount(flat, length=self.experts).astype(jnp.int32)  # (E,)
+        hidden = jax.nn.gelu(jax.lax.ragged_dot(rows, self.w_in[...], sizes))  # (B T k, F)
+        out = jax.lax.ragged_dot(hidden, self.w_out[...], sizes)  # (B T k, D)
+        unsorted = jnp.zeros_like(out).at[order].set(out).reshape(b, t, self.top_k, d)
+        return jnp.einsum("btkd,btk->btd", unsorted, gates)
+
+
+def sorted_moe_lm(rngs: nnx.Rngs) -> LlamaStyleLM:
+    return LlamaStyleLM(rngs, mlp=SortedExperts)
+
+
+class SharedAndRoutedExperts(nnx.Module):
+    """DeepSeek-style: sigmoid scores, the top 2 normalised, routed experts reached by a one-hot
+    einsum (every expert's buffer holds every token, zero where not routed), and a shared expert
+    every token passes through."""
+
+    def __init__(self, rngs: nnx.Rngs, experts: int = 4, top_k: int = 2):
+        self.router = linear(DIM, experts, ("embed", None), rngs)
+        self.w_in = nnx.Param(names("expert", "embed", "mlp")(rngs.params(), (experts, DIM, MLP // 2)))
+        self.w_out = nnx.Param(names("expert", "mlp", "embed")(rngs.params(), (experts, MLP // 2, DIM)))
+        self.shared = SwiGLU(rngs)
+        self.experts, self.top_k = experts, top_k
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scores = jax.nn.sigmoid(self.router(x))  # (B, T, E)
+        top, index = jax.lax.top_k(scores, self.top_k)
+        weights = top / top.sum(-1, keepdims=True)
+        gates = jnp.einsum("btke,btk->bte", jax.nn.one_hot(index, self.experts, dtype=x.dtype), weights)
+        routed = jnp.einsum("bte,btd->ebtd", (gates > 0).astype(x.dtype), x)  # (E, B, T, D)
+        hidden = jax.nn.silu(jnp.einsum("ebtd,edf->ebtf", routed, self.w_in[...]))
+        out = jnp.einsum("ebtf,efd->ebtd", hidden, self.w_out[...])
+        return jnp.einsum("ebtd,bte->btd", out, gates) + self.shared(x)
+
+
+def shared_expert_lm(rngs: nnx.Rngs) -> LlamaStyleLM:
+    return LlamaStyleLM(rngs, mlp=SharedAndRoutedExperts)
+
+
 # -- Encoder-decoder ---------------------------------------------------------------------------
 
 
@@ -414,5 +474,7 @@ ZOO: dict[str, ZooEntry] = {
     "vit": ZooEntry(ViT, image_batch, classification, False),
     "user_moe": ZooEntry(user_moe_lm, token_batch, next_token, True),
     "linen_moe": ZooEntry(None, token_batch, next_token, True, linen=LinenLM(LINEN_MOE_CONFIG)),
+    "sorted_moe": ZooEntry(sorted_moe_lm, token_batch, next_token, True),
+    "shared_expert_moe": ZooEntry(shared_expert_lm, token_batch, next_token, True),
     "cnn_batchnorm": ZooEntry(SmallResNet, image_batch, classification, False),
 }

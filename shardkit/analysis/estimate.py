@@ -102,14 +102,13 @@ class Estimate:
 def axis_links(layout_shape: dict[str, int], hw: Hardware) -> dict[str, str]:
     """``"intra"`` or ``"inter"`` for each mesh axis: does stepping along it leave the node?
 
-        Devices are numbered node by node and the mesh is laid out in canonical axis order, so an
-        axis stays inside a node when its stride times its size fits in (and divides) a node.
+    Devices are numbered node by node and the mesh is laid out in canonical axis order, so an
+    axis stays inside a node when its stride times its size fits in (and divides) a node.
 
-        Example:
-          >>> from shardkit.analysis.mixtures import dispatch_bytes
-    from shardkit.analysis.hardware import PROFILES
-          >>> axis_links({"data": 4, "tensor": 8}, PROFILES["h100"])
-          {'tensor': 'intra', 'data': 'inter'}
+    Example:
+      >>> from shardkit.analysis.hardware import PROFILES
+      >>> axis_links({"data": 4, "tensor": 8}, PROFILES["h100"])
+      {'tensor': 'intra', 'data': 'inter'}
     """
     links, stride = {}, 1
     for axis in reversed(list(layout_shape)):
@@ -136,21 +135,20 @@ def comm_seconds(bytes_by_axes: dict[str, float], layout_shape: dict[str, int], 
 def predict(result: dict[str, Any], hw: Hardware, compute_dtype: str) -> dict[str, float]:
     """Predicted seconds of one step from a dry run's report dict on hardware ``hw``.
 
-        Args:
-          result: :meth:`shardkit.analysis.report.Report.to_dict` output (a dry run).
-          hw: the hardware profile.
-          compute_dtype: dtype of the matmuls (``bfloat16`` or ``float32``).
+    Args:
+      result: :meth:`shardkit.analysis.report.Report.to_dict` output (a dry run).
+      hw: the hardware profile.
+      compute_dtype: dtype of the matmuls (``bfloat16`` or ``float32``).
 
-        Returns:
-          ``compute_seconds``, ``comm_seconds``, ``step_seconds`` (no overlap), ``step_seconds_overlap``,
-          ``mfu`` (model FLOPs over the whole machine's peak in the no-overlap step time).
+    Returns:
+      ``compute_seconds``, ``comm_seconds``, ``step_seconds`` (no overlap), ``step_seconds_overlap``,
+      ``mfu`` (model FLOPs over the whole machine's peak in the no-overlap step time).
 
-        Example:
-          >>> from shardkit.analysis.mixtures import dispatch_bytes
-    from shardkit.analysis.hardware import PROFILES
-          >>> facts = {"layout": "data=8", "devices": 8, "flops_per_device": 989e12, "bytes_by_axes": {}}
-          >>> predict(facts, PROFILES["h100"], "bfloat16")["step_seconds"]
-          1.0
+    Example:
+      >>> from shardkit.analysis.hardware import PROFILES
+      >>> facts = {"layout": "data=8", "devices": 8, "flops_per_device": 989e12, "bytes_by_axes": {}}
+      >>> predict(facts, PROFILES["h100"], "bfloat16")["step_seconds"]
+      1.0
     """
     shape = dict(Layout.parse(result["layout"]).sizes)
     peak = hw.peak_flops(compute_dtype)
@@ -282,36 +280,35 @@ def analytic(
 ) -> Estimate:
     """Estimate one step of ``sizes`` under mesh axis sizes ``shape``, without compiling.
 
-        Args:
-          sizes: the model's sizes.
-          shape: mesh axis sizes (``data``, ``fsdp``, ``tensor``, ``sequence``, ``stage``, ``expert``).
-          hw: the hardware profile.
-          batch, seq: global batch rows and sequence length.
-          precision: ``fp32``, ``bf16`` or ``bf16-master`` (its bytes of parameters, master copy and
-            gradients per parameter).
-          compute_itemsize: bytes per element of activations.
-          comm_itemsize: bytes per element of gathered parameters and reduced gradients (default
-            ``compute_itemsize``; 4 where an fp32 master copy is what is gathered and reduced).
-          remat: per-layer rematerialisation policy.
-          microbatches: gradient-accumulation (or pipeline) microbatches.
-          schedule: the pipeline schedule when ``stage > 1`` (``1f1b`` or ``gpipe``).
-          optimizer_bytes: the optimizer's state per parameter (:func:`optimizer_bytes_per_param`;
-            default: AdamW's, read from ``optax.adamw`` in the precision's update dtype).
-          zero: ZeRO stage over ``data`` (1: optimizer state and master weights split over it, with
-            an all-gather of the parameters after the update; 2: gradients reduce-scattered too).
+    Args:
+      sizes: the model's sizes.
+      shape: mesh axis sizes (``data``, ``fsdp``, ``tensor``, ``sequence``, ``stage``, ``expert``).
+      hw: the hardware profile.
+      batch, seq: global batch rows and sequence length.
+      precision: ``fp32``, ``bf16`` or ``bf16-master`` (its bytes of parameters, master copy and
+        gradients per parameter).
+      compute_itemsize: bytes per element of activations.
+      comm_itemsize: bytes per element of gathered parameters and reduced gradients (default
+        ``compute_itemsize``; 4 where an fp32 master copy is what is gathered and reduced).
+      remat: per-layer rematerialisation policy.
+      microbatches: gradient-accumulation (or pipeline) microbatches.
+      schedule: the pipeline schedule when ``stage > 1`` (``1f1b`` or ``gpipe``).
+      optimizer_bytes: the optimizer's state per parameter (:func:`optimizer_bytes_per_param`;
+        default: AdamW's, read from ``optax.adamw`` in the precision's update dtype).
+      zero: ZeRO stage over ``data`` (1: optimizer state and master weights split over it, with
+        an all-gather of the parameters after the update; 2: gradients reduce-scattered too).
 
-        Returns:
-          An :class:`Estimate`. Data-parallel and FSDP traffic is counted once per microbatch, as the
-          compiled step moves it today.
+    Returns:
+      An :class:`Estimate`. Data-parallel and FSDP traffic is counted once per microbatch, as the
+      compiled step moves it today.
 
-        Example:
-          >>> from shardkit.analysis.mixtures import dispatch_bytes
-    from shardkit.analysis.hardware import PROFILES
-          >>> sizes = ModelSizes(params=7e9, layers=32, dim=4096, heads=32, kv_dim=4096, vocab=32000)
-          >>> e = analytic(sizes, {"fsdp": 8}, PROFILES["h100"], batch=8, seq=4096,
-          ...              precision="bf16-master", compute_itemsize=2)
-          >>> round(e.state_bytes / 1e9, 2)   # 14 bytes per parameter over 8 devices
-          12.25
+    Example:
+      >>> from shardkit.analysis.hardware import PROFILES
+      >>> sizes = ModelSizes(params=7e9, layers=32, dim=4096, heads=32, kv_dim=4096, vocab=32000)
+      >>> e = analytic(sizes, {"fsdp": 8}, PROFILES["h100"], batch=8, seq=4096,
+      ...              precision="bf16-master", compute_itemsize=2)
+      >>> round(e.state_bytes / 1e9, 2)   # 14 bytes per parameter over 8 devices
+      12.25
     """
     f, t, p, e = (shape.get(axis, 1) for axis in ("fsdp", "tensor", "stage", "expert"))
     dense = sizes.params - sizes.expert_params

@@ -206,8 +206,12 @@ def beyond_the_bound(
     """
     stats = [c for c in collectives if c.moved_bytes > 0]
     by_term: dict[str, list[CollectiveStat]] = collections.defaultdict(list)
+    experts = bound.get("bytes_expert", 0.0) > 0
+    # An experts' op whose forward traffic over expert is no term's: its backward (which may look
+    # like a gradient's reduction) is the same op's, beyond the bound too.
+    expert_ops = {_op_key(c) for c in stats if experts and "expert" in c.axes and not term_of(c)}
     for c in stats:
-        by_term[term_of(c)].append(c)
+        by_term["" if _op_key(c) in expert_ops else term_of(c)].append(c)
     named = [(c, "", c.moved_bytes) for c in by_term.pop("", [])]
     for term, members in by_term.items():
         budget = _budget(bound, term)
@@ -222,11 +226,23 @@ def beyond_the_bound(
     projections, activation = _separate_projections(stats), activation or typical_activation(stats)
     out = [
         Excess(
-            c.op, c.kind, c.axes, c.direction, beyond, c.moved_bytes, term, *explain(c, term, projections, activation)
+            c.op,
+            c.kind,
+            c.axes,
+            c.direction,
+            beyond,
+            c.moved_bytes,
+            term,
+            *explain(c, term, projections, activation, experts),
         )
         for c, term, beyond in named
     ]
     return sorted(out, key=lambda e: -e.moved_bytes)
+
+
+def _op_key(c: CollectiveStat) -> tuple[str, str]:
+    """An op's module path and primitive, whichever direction it runs in."""
+    return module_path(c.op), c.op.split(" (")[0].rsplit("/", 1)[-1]
 
 
 def module_path(op: str) -> str:
@@ -269,6 +285,19 @@ def _explain_expert(c: CollectiveStat) -> tuple[str, str]:
             "the tokens (ZeRO-3 over the experts) where expert parallelism moves the tokens.",
             FIX_EXPERTS,
         )
+    primitive = c.op.split(" (")[0].rsplit("/", 1)[-1]
+    if c.kind == "all-reduce" and primitive == "dot_general" and set(c.axes) == {"expert"}:
+        return (
+            "an experts' matmul XLA could not split by experts (a grouped jax.lax.ragged_dot, a loop over "
+            "experts): every device multiplies every row by its own experts and the outputs are summed over expert.",
+            FIX_EXPERTS,
+        )
+    if primitive in ("sort", "gather", "scatter", "scatter-add", "argsort") and c.direction in ("forward", "backward"):
+        return (
+            f"tokens sorted or permuted over the whole batch (a {primitive} across rows split over "
+            f"{'+'.join(c.axes)}): every device's rows are gathered to order them.",
+            "sort each device's tokens by expert within its own rows, or call sk.parallel.moe_layer.",
+        )
     if c.kind == "all-to-all":
         return (
             "more tokens moved to and from their experts than the routed tokens: a dispatch padded beyond "
@@ -285,10 +314,15 @@ def _explain_expert(c: CollectiveStat) -> tuple[str, str]:
 
 
 def explain(
-    c: CollectiveStat, term: str, projections: frozenset[str] | set[str] = frozenset(), activation: float = 0.0
+    c: CollectiveStat,
+    term: str,
+    projections: frozenset[str] | set[str] = frozenset(),
+    activation: float = 0.0,
+    experts: bool = False,
 ) -> tuple[str, str]:
     """``(cause, fix)`` of one collective beyond the bound, from what it is (``activation``: a
-    layer's activation, the payload of Megatron's all-reduces)."""
+    layer's activation, the payload of Megatron's all-reduces; ``experts``: the bound has an
+    experts' dispatch, so traffic over ``expert`` is the experts')."""
     axes = "+".join(c.axes)
     batch_only = set(c.axes) <= BATCH_AXES
     if c.kind == "collective-permute" and not {"stage", "sequence"} & set(c.axes):
@@ -309,7 +343,11 @@ def explain(
             "where one fused matmul reduces once.",
             _FIX_PROJECTIONS,
         )
-    if term == "expert" or (c.kind == "all-to-all" and "expert" in c.axes):
+    if (
+        term == "expert"
+        or (c.kind == "all-to-all" and "expert" in c.axes)
+        or (experts and "expert" in c.axes and not term)
+    ):
         return _explain_expert(c)
     if c.kind == "all-gather" and not batch_only:
         return (

@@ -198,11 +198,14 @@ def _flops(eqn: Any) -> float:
     ragged matmul's rows each meet one group's weight)."""
     out = math.prod(eqn.outvars[0].aval.shape)
     lhs = eqn.invars[0].aval.shape
+    return 2.0 * out * math.prod(lhs[d] for d in _contracted(eqn)[0])
+
+
+def _contracted(eqn: Any) -> tuple[Sequence[int], Sequence[int]]:
+    """The contracted dimensions of a matmul's two operands."""
     if eqn.primitive.name == "ragged_dot_general":
-        (contract, _), _ = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
-    else:
-        (contract, _), _ = eqn.params["dimension_numbers"]
-    return 2.0 * out * math.prod(lhs[d] for d in contract)
+        return eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers[0]
+    return eqn.params["dimension_numbers"][0]
 
 
 def _kind(eqn: Any, weight: int) -> str:
@@ -220,11 +223,7 @@ def _kind(eqn: Any, weight: int) -> str:
 
 def _features(eqn: Any, tokens: int) -> int:
     """The features of each token a matmul contracts (the model dimension, for an input projection)."""
-    if eqn.primitive.name == "ragged_dot_general":
-        (contract, _), _ = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
-        contract = (contract[0], contract[1])
-    else:
-        contract, _ = eqn.params["dimension_numbers"]
+    contract = _contracted(eqn)
     shape = eqn.invars[tokens].aval.shape
     return int(math.prod(shape[d] for d in contract[tokens]))
 

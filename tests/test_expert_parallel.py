@@ -1,0 +1,173 @@
+"""Expert parallelism on any mixture of experts: the bound (the experts' dispatch and combine,
+gradients reduced over the axes that split the rows) checked against the published formulas by
+hand; the mixtures a traced program holds, whatever its style; and steps that keep the experts'
+matmuls on the ``expert`` axis, moving tokens rather than weights, with one device's losses."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from test_zoo import STEPS, abstract_batch, batches, one_device, quiet_trainer, report
+from zoo import ZOO
+
+import shardkit as sk
+from shardkit.analysis import mixtures
+from shardkit.analysis.estimate import ModelSizes, analytic
+from shardkit.analysis.hardware import PROFILES
+from shardkit.analysis.report import lower_bound
+from shardkit.models import GPTConfig
+from shardkit.parallel.expert_placement import place_experts
+
+MOE_ZOO = ["user_moe", "linen_moe", "shared_expert_moe"]
+EXPERT_LAYOUT = "data=2,expert=4"
+
+
+def test_the_expert_term_is_gshards_four_all_to_alls_of_the_routed_tokens():
+    # GShard / DeepSpeed-MoE / Megatron-Core's all-to-all dispatcher, by hand: T tokens a device,
+    # top-k, capacity factor c, model dimension h, bf16, n devices on the expert axis; dispatch and
+    # combine, forward and backward, each (n-1)/n of T*k*c*h values.
+    t, k, c, h, n, layers, rows_split = 4096, 2, 1.25, 1024, 8, 3, 16
+    by_hand = layers * 4 * (n - 1) / n * t * k * c * h * 2
+    layer = mixtures.MixtureLayer("mlp", experts=64, slots=t * rows_split * k * c, dim=h, style="routed", count=layers)
+    assert mixtures.expert_traffic([layer], rows_split, n, itemsize=2) == pytest.approx(by_hand)
+    # Dropless: exactly the routed tokens, however the dispatch pads.
+    padded = mixtures.MixtureLayer("mlp", experts=64, slots=t * rows_split * 64, dim=h, style="routed", count=layers)
+    routed = layers * 4 * (n - 1) / n * t * k * h * 2
+    assert mixtures.expert_traffic([padded], rows_split, n, 2, top_k=k, tokens=t * rows_split) == pytest.approx(routed)
+    # A dense mixture: each expert group gathers its rows and reduce-scatters the sums, each way.
+    dense = mixtures.MixtureLayer("mlp", experts=16, slots=t * rows_split * 16, dim=h, style="dense", count=layers)
+    assert mixtures.expert_traffic([dense], rows_split, n, 2) == pytest.approx(layers * 4 * (n - 1) * t * h * 2)
+
+
+def test_the_bound_reduces_shared_gradients_over_every_row_axis_and_experts_over_the_rest():
+    # data=2, fsdp=2, expert=4, tensor=2: shared parameters S and experts' X bytes (all split over tensor).
+    shape, shared, experts, expert_bytes = {"data": 2, "fsdp": 2, "tensor": 2, "expert": 4}, 6e6, 24e6, 3e6
+    bound = lower_bound(shape, shared + experts, 0.0, expert_param_bytes=experts, expert_bytes=expert_bytes)
+    s, x = shared / 2, experts / 2 / 4  # what a device's tensor (and expert) group holds
+    assert bound["bytes_fsdp"] == pytest.approx(3 * 1 / 2 * (s + x))  # ZeRO-3 over fsdp
+    assert bound["bytes_data"] == pytest.approx(2 * 7 / 8 * s / 2 + 2 * 1 / 2 * x / 2)  # over data+expert; data
+    assert bound["bytes_expert"] == expert_bytes
+    assert bound["bytes_per_device"] == pytest.approx(sum(bound[f"bytes_{t}"] for t in ("fsdp", "data", "expert")))
+    # Without an expert axis nothing moves for the experts' dispatch, and a dense model reduces over data only.
+    assert lower_bound({"data": 8}, shared, 0.0)["bytes_data"] == pytest.approx(2 * 7 / 8 * shared)
+    assert lower_bound({"data": 8}, shared, 0.0, expert_bytes=1e6)["bytes_expert"] == 0.0
+
+
+def test_the_planner_prices_expert_layouts_with_the_same_terms():
+    sizes = ModelSizes(
+        params=int(1e9), layers=4, dim=1024, heads=8, kv_dim=1024, vocab=1000, expert_params=int(8e8), experts=8,
+        top_k=2, routed=2.5,
+    )  # fmt: skip
+    e = analytic(sizes, {"data": 2, "expert": 4}, PROFILES["h100"], batch=16, seq=1024, precision="fp32",
+                 compute_itemsize=4)  # fmt: skip
+    tokens = 16 * 1024 / 8
+    assert e.bytes_by_axes["expert"] == pytest.approx(4 * mixtures.dispatch_bytes(tokens * 2.5 * 1024 * 4, 4))
+    held_shared, held_experts = 2e8 * 4, 8e8 / 4 * 4
+    assert e.bytes_by_axes["data+expert"] == pytest.approx(2 * 7 / 8 * held_shared)
+    assert e.bytes_by_axes["data"] == pytest.approx(2 * 1 / 2 * held_experts)
+
+
+@functools.cache
+def traced_layers(name: str) -> list:
+    if name == "gpt":
+        model, loss = GPTConfig.preset("tiny-moe").model(), sk.next_token_loss
+        batch = {"tokens": jax.ShapeDtypeStruct((16, 129), jnp.int32)}
+    else:
+        model, loss, batch = quiet_trainer(name, "data=8").model, ZOO[name].loss, abstract_batch(name)
+    return mixtures.mixture_layers(mixtures.traced_forward(model, loss, batch), mixtures.parameter_leaves(model))
+
+
+@pytest.mark.parametrize(
+    "name, style, slots_per_token",
+    [
+        ("gpt", "routed", 2 * 1.25),  # capacity: top-2 x 1.25
+        ("user_moe", "routed", 4),  # capacity factor 2.0 of top-2 over 4 experts: every token's slot
+        ("linen_moe", "dense", 4),  # every expert runs every token
+        ("sorted_moe", "routed", 2),  # ragged_dot over the sorted (token, choice) pairs: exactly top-2
+        ("shared_expert_moe", "routed", 4),  # one-hot einsum: every expert's buffer holds every token
+    ],
+)
+def test_the_traced_program_shows_each_style_of_mixture(name, style, slots_per_token):
+    layers = traced_layers(name)
+    tokens = 16 * 128 if name == "gpt" else math.prod(ZOO[name].batch(0)["tokens"][:, 1:].shape)
+    assert sum(layer.count for layer in layers) == 2, layers  # one mixture a layer
+    for layer in layers:
+        assert (layer.style, layer.experts, layer.dim) == (style, 4, 64)
+        assert layer.slots / tokens == pytest.approx(slots_per_token)
+
+
+def test_a_placed_forward_pass_computes_what_was_traced():
+    # einsum dispatch, a dense mixture and top_k: the same values, only shardings change.
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def moe(params, x):
+        gates, index = jax.lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        dense = jnp.einsum("btd,edf->btef", x, params["w"])  # (B, T, E, F)
+        buffers = jnp.einsum("bte,btd->ebtd", jax.nn.one_hot(index[..., 0], 4), x)
+        routed = jnp.einsum("ebtd,edf->ebtf", buffers, params["w"]).sum(0)
+        return dense.sum(2) * gates[..., :1] + routed + index[..., 1:].astype(x.dtype)
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {"router": jax.random.normal(keys[0], (8, 4)), "w": jax.random.normal(keys[1], (4, 8, 8))}
+    x = jax.random.normal(keys[2], (8, 6, 8))
+    placed = jax.jit(place_experts(moe, {1: 0}, mesh))  # leaves in tree order: router, w
+    np.testing.assert_allclose(placed(params, x), moe(params, x), rtol=1e-5, atol=1e-5)
+    grads = jax.jit(jax.grad(lambda p: place_experts(moe, {1: 0}, mesh)(p, x).sum()))(params)
+    expected = jax.grad(lambda p: moe(p, x).sum())(params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), grads, expected)
+
+
+def expert_traffic(r) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for c in r.collectives:
+        if "expert" in c.axes and c.moved_bytes:
+            out[c.kind] = out.get(c.kind, 0.0) + c.moved_bytes
+    return out
+
+
+def test_the_gpt_moves_its_bound_under_an_expert_layout():
+    cfg = GPTConfig.preset("tiny-moe")
+    r = sk.Trainer(cfg.model(), optax.adamw(1e-3), EXPERT_LAYOUT).report(
+        {"tokens": jax.ShapeDtypeStruct((16, 129), jnp.int32)}
+    )
+    # 2 layers x (dispatch + combine) x (forward + backward), each 3/4 of a device's
+    # 2 rows x 4 experts x 80 slots x 64 x 4 bytes.
+    all_to_alls = [c for c in r.collectives if c.kind == "all-to-all"]
+    assert sum(c.count for c in all_to_alls) == 8 and all(c.axes == ("expert",) for c in all_to_alls)
+    assert r.lower_bound["bytes_expert"] == pytest.approx(8 * 3 / 4 * 2 * 4 * 80 * 64 * 4)
+    assert r.ratios["bytes"] == pytest.approx(1.0, abs=0.02), r.table()
+
+
+@pytest.mark.parametrize("name", MOE_ZOO)
+def test_a_users_mixture_moves_tokens_to_its_experts_not_weights_to_its_tokens(name):
+    r = report(name, EXPERT_LAYOUT)
+    weights = 4 * 64 * 256 * 4  # a layer's stacked expert matrix (4 experts): never gathered over expert
+    assert not [
+        c for c in r.collectives if "expert" in c.axes and c.kind == "all-gather" and c.payload_bytes >= weights
+    ]
+    assert r.ratios["bytes"] <= 1.10, r.table()
+    assert r.lower_bound["bytes_expert"] > 0 and expert_traffic(r), r.table()
+
+
+@pytest.mark.parametrize("name", MOE_ZOO)
+def test_a_users_mixture_under_an_expert_layout_trains_as_one_device(name):
+    t = quiet_trainer(name, EXPERT_LAYOUT)
+    state, losses = t.init(seed=0), []
+    for batch in batches(name):
+        state, metrics = t.step(state, t.shard_batch(batch))
+        losses.append(float(metrics["loss"]))
+    assert len(losses) == STEPS
+    np.testing.assert_allclose(losses, one_device(name), rtol=2e-5, atol=2e-5)
+
+
+def test_the_report_names_a_grouped_matmuls_excess_and_the_callable_that_fixes_it():
+    r = report("sorted_moe", EXPERT_LAYOUT)
+    excess = r.moved_bytes - r.lower_bound["bytes_per_device"]
+    named = r.beyond()
+    assert r.ratios["bytes"] > 2 and sum(e.moved_bytes for e in named) >= 0.9 * excess
+    experts = [e for e in named if "/mlp/" in e.op and e.moved_bytes >= 0.01 * excess]
+    assert len(experts) >= 8 and all("sk.parallel.moe_layer" in e.fix for e in experts), r.table()
