@@ -5,14 +5,16 @@ matmuls on the ``expert`` axis, moving tokens rather than weights, with one devi
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from test_zoo import STEPS, abstract_batch, batches, one_device, quiet_trainer, report
-from zoo import ZOO
+from zoo import DIM, ZOO, LlamaStyleLM
 
 import shardkit as sk
 from shardkit.analysis import mixtures
@@ -131,9 +133,10 @@ def expert_traffic(r) -> dict[str, float]:
 
 def test_the_gpt_moves_its_bound_under_an_expert_layout():
     cfg = GPTConfig.preset("tiny-moe")
-    r = sk.Trainer(cfg.model(), optax.adamw(1e-3), EXPERT_LAYOUT).report(
-        {"tokens": jax.ShapeDtypeStruct((16, 129), jnp.int32)}
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model with experts: no note that the axis splits rows only
+        t = sk.Trainer(cfg.model(), optax.adamw(1e-3), EXPERT_LAYOUT)
+    r = t.report({"tokens": jax.ShapeDtypeStruct((16, 129), jnp.int32)})
     # 2 layers x (dispatch + combine) x (forward + backward), each 3/4 of a device's
     # 2 rows x 4 experts x 80 slots x 64 x 4 bytes.
     all_to_alls = [c for c in r.collectives if c.kind == "all-to-all"]
@@ -171,3 +174,112 @@ def test_the_report_names_a_grouped_matmuls_excess_and_the_callable_that_fixes_i
     assert r.ratios["bytes"] > 2 and sum(e.moved_bytes for e in named) >= 0.9 * excess
     experts = [e for e in named if "/mlp/" in e.op and e.moved_bytes >= 0.01 * excess]
     assert len(experts) >= 8 and all("sk.parallel.moe_layer" in e.fix for e in experts), r.table()
+
+
+def per_token_mixture(x, router, w_in, w_out, top_k):
+    """Each token through its top-k experts by softmax score, written token by token in numpy."""
+    x, router, w_in, w_out = (np.asarray(a, np.float64) for a in (x, router, w_in, w_out))
+    out = np.zeros_like(x)
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            logits = x[b, t] @ router
+            probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+            chosen = np.argsort(-probs, kind="stable")[:top_k]
+            for e in chosen:
+                gate, up = x[b, t] @ w_in[e, :, 0], x[b, t] @ w_in[e, :, 1]
+                hidden = gate / (1 + np.exp(-gate)) * up
+                out[b, t] += probs[e] / probs[chosen].sum() * (hidden @ w_out[e])
+    return out
+
+
+def layer_inputs(experts=4, dim=8, hidden=16, rows=2, tokens=6):
+    k = jax.random.split(jax.random.key(1), 4)
+    return (
+        jax.random.normal(k[0], (rows, tokens, dim)),
+        jax.random.normal(k[1], (dim, experts)),
+        jax.random.normal(k[2], (experts, dim, 2, hidden)) / 3,
+        jax.random.normal(k[3], (experts, hidden, dim)) / 4,
+    )
+
+
+def test_the_callable_dropless_is_each_token_through_its_top_k_experts():
+    x, router, w_in, w_out = layer_inputs()
+    y, routing = sk.parallel.moe_layer(x, router, w_in, w_out, top_k=2, dropless=True)
+    np.testing.assert_allclose(y, per_token_mixture(x, router, w_in, w_out, 2), rtol=1e-4, atol=1e-5)
+    assert int(routing.tokens_per_expert.sum()) == 2 * 6 * 2 and float(routing.dropped) == 0.0
+
+
+def test_the_callables_capacity_drops_the_later_tokens_and_says_how_many():
+    x, router, w_in, w_out = layer_inputs()
+    router = router.at[:, 0].set(0.0) + jnp.array([9.0, 0, 0, 0])  # every token's first choice: expert 0
+    x = jnp.abs(x)  # positive features: expert 0's logit is the largest for each token
+    _, routing = sk.parallel.moe_layer(x, router, w_in, w_out, top_k=1, capacity_factor=1.0)
+    # capacity = ceil(1.0 x 6 tokens x 1 / 4 experts) = 2 slots of expert 0 per row: 4 of 12 tokens kept.
+    assert routing.tokens_per_expert.tolist() == [12, 0, 0, 0]
+    assert float(routing.dropped) == pytest.approx(8 / 12)
+    assert int(routing.dispatch.sum()) == 4
+
+
+def test_a_score_bias_chooses_experts_without_weighing_them():
+    logits = jnp.array([[[2.0, 1.0, 0.0, -1.0]]])
+    plain = sk.parallel.route_tokens(logits, 2, capacity=1, score="sigmoid")
+    biased = sk.parallel.route_tokens(logits, 2, capacity=1, score="sigmoid", bias=jnp.array([0.0, 0.0, 0.0, 5.0]))
+    assert plain.tokens_per_expert.tolist() == [1, 1, 0, 0] and biased.tokens_per_expert.tolist() == [1, 0, 0, 1]
+    scores = jax.nn.sigmoid(logits[0, 0])
+    gates = biased.combine[0, 0].sum(-1)  # the sigmoid scores of experts 0 and 3, normalised: no bias in them
+    np.testing.assert_allclose(gates, jnp.array([scores[0], 0, 0, scores[3]]) / (scores[0] + scores[3]), rtol=1e-6)
+    load = jnp.array([10, 2, 4, 0])
+    assert (sk.parallel.balance_bias(jnp.zeros(4), load, rate=0.5) == jnp.array([-0.5, 0.5, 0.0, 0.5])).all()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(top_k=5), "top_k=5 experts per token out of 4"),
+        (dict(capacity_factor=0.0), "capacity_factor=0.0 leaves no slot"),
+        (dict(capacity_factor=-1.0), "capacity_factor=-1.0 leaves no slot"),
+        (dict(w_out=jnp.zeros((4, 16, 9))), r"w_out \(4, 16, 9\) \(E, F, D\) do not agree \(w_out\)"),
+        (dict(router=jnp.zeros((8, 3))), r"router \(8, 3\) \(D, E\)"),
+    ],
+)
+def test_the_callable_refuses_a_layer_that_cannot_route(change, message):
+    x, router, w_in, w_out = layer_inputs()
+    args = {"router": router, "w_in": w_in, "w_out": w_out, "top_k": 2} | change
+    with pytest.raises(sk.errors.InputError, match=message):
+        sk.parallel.moe_layer(x, **args)
+
+
+class CallableExperts(nnx.Module):
+    """A user's layer that calls the callable: top-2 of 4 gated experts, capacity 1.25."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.router = nnx.Param(nnx.with_partitioning(init, ("embed", None))(rngs.params(), (DIM, 4)))
+        self.w_in = nnx.Param(
+            nnx.with_partitioning(init, ("experts", "embed", None, "mlp"))(rngs.params(), (4, DIM, 2, 32))
+        )
+        self.w_out = nnx.Param(nnx.with_partitioning(init, ("experts", "mlp", "embed"))(rngs.params(), (4, 32, DIM)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y, _ = sk.parallel.moe_layer(x, self.router[...], self.w_in[...], self.w_out[...], top_k=2)
+        return y
+
+
+def test_a_users_model_calling_the_callable_trains_as_one_device_at_its_bound():
+    make = lambda rngs: LlamaStyleLM(rngs, mlp=CallableExperts)
+    data = [ZOO["user_moe"].batch(step) for step in range(2)]
+    with jax.default_device(jax.devices()[0]), nnx.use_eager_sharding(False):
+        model = make(nnx.Rngs(jax.random.split(jax.random.key(0))[0]))
+        optimizer, expected = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param), []
+        for batch in data:
+            loss, grads = nnx.value_and_grad(lambda m, b=batch: ZOO["user_moe"].loss(m, b)[0])(model)
+            optimizer.update(model, grads)
+            expected.append(float(loss))
+    t = sk.Trainer(sk.from_nnx(make), optax.adamw(3e-3), EXPERT_LAYOUT, loss=ZOO["user_moe"].loss)
+    state, losses = t.init(seed=0), []
+    for batch in data:
+        state, metrics = t.step(state, t.shard_batch(batch))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, expected, rtol=2e-5, atol=2e-5)
+    r = t.report(abstract_batch("user_moe"))
+    assert sum(c.count for c in r.collectives if c.kind == "all-to-all") == 8 and r.ratios["bytes"] <= 1.02, r.table()

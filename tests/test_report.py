@@ -224,9 +224,11 @@ def test_dryrun_cli_json():
 
 
 def test_inspect_warns_about_replicated_parameters_and_idle_rules():
-    trainer = sk.Trainer(CFG.model(), optax.adamw(1e-3), "data=2,expert=4")
+    with pytest.warns(UserWarning, match="expert=4 splits only the rows: GPT has no experts"):
+        trainer = sk.Trainer(CFG.model(), optax.adamw(1e-3), "data=2,expert=4")
     warnings = sharding_warnings(trainer)
     assert any("rule experts -> expert matches no parameter" in w for w in warnings)
+    assert any("so the step runs as data=4 would" in w for w in warnings)
     assert any(w.startswith("blocks/mlp/w_gate_up 2x64x2x128") and "replicated on all 8 devices" in w for w in warnings)
     assert not sharding_warnings(sk.Trainer(CFG.model(), optax.adamw(1e-3), "fsdp=8"))
 

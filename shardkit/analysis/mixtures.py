@@ -36,9 +36,7 @@ import jax
 import numpy as np
 
 from shardkit.analysis.report_data import moved_bytes
-
-# Logical names of an experts dimension: shardkit's, and Linen's / NNX's mesh-axis spelling.
-EXPERT_NAMES = frozenset({"experts", "expert"})
+from shardkit.core.sharding import EXPERT_NAMES
 
 # Operations that pass (part of) a weight on as the same numbers: a matmul on their output reads the weight.
 _VIEWS = frozenset(

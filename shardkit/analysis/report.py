@@ -30,7 +30,7 @@ from shardkit.core.errors import AnalysisError
 from shardkit.core.mesh import Layout
 from shardkit.core.precision import Precision
 from shardkit.core.rules import Rules, entry_axes
-from shardkit.core.sharding import unnamed_model_note
+from shardkit.core.sharding import rows_only_expert_note, unnamed_model_note
 from shardkit.models.model import Model, model_facts
 from shardkit.runtime.xla_flags import DRY_RUN_OPTIONS
 
@@ -438,12 +438,14 @@ def sharding_warnings(trainer: CompiledStep, top: int = 3, min_fraction: float =
       ``min_fraction`` of all parameter bytes);
     - rules whose mesh axes are larger than 1 here but that shard no parameter;
     - the model's own notes (e.g. regex rules of :func:`shardkit.annotate` that matched nothing);
-    - a ``tensor`` or ``expert`` axis under a model that names no parameter's axes.
+    - a ``tensor`` or ``expert`` axis under a model that names no parameter's axes;
+    - an ``expert`` axis under a model without experts (it splits the rows only).
     """
     warnings = list(trainer.model.notes)
-    unnamed = unnamed_model_note(trainer.model, dict(trainer.mesh.shape))
-    if unnamed is not None:
-        warnings.append(unnamed)
+    for note in (unnamed_model_note, rows_only_expert_note):
+        said = note(trainer.model, dict(trainer.mesh.shape))
+        if said is not None:
+            warnings.append(said)
     rows = trainer.sharding_table()
     total = sum(r["bytes_per_device"] * math.prod(r["shape"]) / max(math.prod(r["shard"]), 1) for r in rows)
     if trainer.mesh.devices.size > 1:

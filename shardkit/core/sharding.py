@@ -401,6 +401,26 @@ def unnamed_model_note(model: Model, mesh_shape: Mapping[str, int]) -> str | Non
     )
 
 
+# Logical names of an experts dimension: shardkit's, and Linen's / NNX's mesh-axis spelling.
+EXPERT_NAMES = frozenset({"experts", "expert"})
+
+
+def rows_only_expert_note(model: Model, mesh_shape: Mapping[str, int]) -> str | None:
+    """A note for an ``expert`` axis under a model with no experts: accepted, as one more axis
+    that splits the rows (the step is data parallelism over it), and said so."""
+    e = mesh_shape.get("expert", 1)
+    if e == 1 or not annotates_any(model.axes):
+        return None
+    leaves = jax.tree.leaves(model.axes, is_leaf=lambda x: isinstance(x, Axes))
+    if any(name in EXPERT_NAMES for ax in leaves for name in (ax.names or ()) if isinstance(name, str)):
+        return None
+    return (
+        f"expert={e} splits only the rows: {model.name} has no experts (no parameter dimension named 'experts'), "
+        f"so the step runs as data={e} would. Fix: name the experts' dimension of its expert weights 'experts', "
+        f"or write data={e}."
+    )
+
+
 def zero_specs(param_specs: Any, abstract_params: Any, mesh_shape: Mapping[str, int], axis: str = "data") -> Any:
     """Each parameter's spec with ``axis`` added to its first dimension that still divides (the
     ZeRO split of optimizer state); a parameter no dimension of which divides stays as it was.

@@ -8,7 +8,11 @@ from shardkit._lazy import install
 
 _WHERE = {
     "MoE": "experts",
+    "Routing": "experts",
+    "balance_bias": "experts",
+    "moe_layer": "experts",
     "route": "experts",
+    "route_tokens": "experts",
     "top_k_by_rows": "experts",
     "pipeline_value_and_grad": "pipeline",
     "ring_attention": "ring_attention",
@@ -16,7 +20,19 @@ _WHERE = {
     "make_schedule": "schedule",
 }
 
-__all__ = ["MoE", "Schedule", "make_schedule", "pipeline_value_and_grad", "ring_attention", "route", "top_k_by_rows"]
+__all__ = [
+    "MoE",
+    "Routing",
+    "Schedule",
+    "balance_bias",
+    "make_schedule",
+    "moe_layer",
+    "pipeline_value_and_grad",
+    "ring_attention",
+    "route",
+    "route_tokens",
+    "top_k_by_rows",
+]
 
 # Lazy (PEP 562): importing the schedules alone starts no JAX.
 __getattr__, __dir__ = install(__name__, _WHERE, ("experts", "pipeline", "schedule"))

@@ -11,12 +11,15 @@ each sequence alone, so every layout routes (and drops) exactly the same tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from shardkit.core.errors import InputError
 from shardkit.core.partition import current_rules, logical
 from shardkit.core.rules import resolve
 
@@ -45,22 +48,49 @@ def top_k_by_rows(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jnp.take_along_axis(x, indices, axis=-1), indices
 
 
-def route(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+class Routing(NamedTuple):
+    """Where a batch's tokens went, as :func:`route_tokens` decided.
+
+    Attributes:
+      dispatch: ``(G, S, E, C)`` in {0, 1}: token ``s`` of group ``g`` in slot ``c`` of expert ``e``.
+      combine: ``(G, S, E, C)``: the gate weight of each kept assignment.
+      aux_loss: the load-balancing loss (Switch/GShard form: ``E * sum_e f_e * P_e`` of the
+        first choices' fractions and the mean router probabilities, 1.0 when balanced).
+      tokens_per_expert: ``(E,)`` (token, choice) pairs routed to each expert, kept or not.
+      dropped: ``()`` the fraction of (token, choice) pairs that found their expert full.
+    """
+
+    dispatch: jax.Array
+    combine: jax.Array
+    aux_loss: jax.Array
+    tokens_per_expert: jax.Array
+    dropped: jax.Array
+
+
+def route_tokens(
+    logits: jax.Array, top_k: int, capacity: int, score: str = "softmax", bias: jax.Array | None = None
+) -> Routing:
     """Top-k routing with a per-expert capacity, first choices first (later tokens are dropped).
 
     Args:
-      logits: router logits (G, S, E) for G groups of S tokens.
+      logits: router logits ``(G, S, E)`` for ``G`` groups of ``S`` tokens.
       top_k: experts per token.
       capacity: slots per expert and group.
+      score: ``"softmax"`` (Mixtral, GShard) or ``"sigmoid"`` (DeepSeek-V3) of the logits.
+      bias: ``(E,)`` added to the scores to choose the experts, not to weigh them: DeepSeek-V3's
+        auxiliary-loss-free balancing (:func:`balance_bias` updates it from the load).
 
     Returns:
-      ``(dispatch, combine, aux_loss)``: dispatch (G, S, E, C) in {0, 1}; combine (G, S, E, C),
-      the gate weights of the kept assignments; the load-balancing loss (Switch/GShard form:
-      E * sum_e fraction_of_first_choices_e * mean_router_probability_e, 1.0 when balanced).
+      A :class:`Routing`; the chosen experts' scores normalised to sum to 1 weigh their outputs.
     """
     g, s, e = logits.shape
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # (G, S, E)
-    gates, experts = top_k_by_rows(probs, top_k)  # (G, S, k)
+    if score not in ("softmax", "sigmoid"):
+        raise ValueError(f"score={score!r}: choose 'softmax' or 'sigmoid'.")
+    logits = logits.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)  # (G, S, E)
+    chooser = probs if bias is None else probs + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    _, experts = top_k_by_rows(chooser, top_k)  # (G, S, k)
+    gates = jnp.take_along_axis(probs, experts, axis=-1)
     gates = gates / gates.sum(axis=-1, keepdims=True)
     choice = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # (G, S, k, E)
     # Slots are filled by all first choices (in token order), then all second choices, ...
@@ -71,8 +101,40 @@ def route(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.
     dispatch = one_slot.sum(axis=2)  # (G, S, E, C)
     combine = (one_slot * gates[..., None, None]).sum(axis=2)  # (G, S, E, C)
     first = jax.nn.one_hot(experts[..., 0], e, dtype=jnp.float32)  # (G, S, E)
-    aux = e * jnp.sum(first.mean(axis=(0, 1)) * probs.mean(axis=(0, 1)))
-    return dispatch, combine, aux
+    shares = probs / probs.sum(axis=-1, keepdims=True)  # sigmoid scores as a distribution too
+    aux = e * jnp.sum(first.mean(axis=(0, 1)) * shares.mean(axis=(0, 1)))
+    routed = choice.sum(axis=(0, 1, 2))  # (E,)
+    dropped = 1.0 - kept.sum() / (g * s * top_k)
+    return Routing(dispatch, combine, aux, routed, dropped)
+
+
+def route(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(dispatch, combine, aux_loss)`` of softmax top-k routing with capacity (:func:`route_tokens`).
+
+    Args:
+      logits: router logits (G, S, E) for G groups of S tokens.
+      top_k: experts per token.
+      capacity: slots per expert and group.
+
+    Returns:
+      dispatch (G, S, E, C) in {0, 1}; combine (G, S, E, C), the gate weights of the kept
+      assignments; the load-balancing loss (1.0 when balanced).
+    """
+    r = route_tokens(logits, top_k, capacity)
+    return r.dispatch, r.combine, r.aux_loss
+
+
+def balance_bias(bias: jax.Array, tokens_per_expert: jax.Array, rate: float = 1e-3) -> jax.Array:
+    """DeepSeek-V3's auxiliary-loss-free balancing: each expert's score bias moved by ``rate``
+    toward an even load, down for experts above the mean load and up for those below. Applied
+    outside the gradient, after each step.
+
+    Example:
+      >>> (balance_bias(jnp.zeros(4), jnp.array([10, 2, 4, 0])) * 1000).round().tolist()
+      [-1.0, 1.0, 0.0, 1.0]
+    """
+    load = tokens_per_expert.astype(jnp.float32)
+    return bias - rate * jnp.sign(load - load.mean())
 
 
 def exchange(buffers: jax.Array, to_experts: bool, axis: str = "expert") -> jax.Array:
@@ -98,6 +160,98 @@ def exchange(buffers: jax.Array, to_experts: bool, axis: str = "expert") -> jax.
         move = lambda b: jax.lax.all_to_all(b, axis, split_axis=1, concat_axis=0, tiled=True)
         in_spec, out_spec = expert_spec, token_spec
     return jax.shard_map(move, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=False)(buffers)
+
+
+def moe_layer(
+    x: jax.Array,
+    router: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    *,
+    top_k: int = 2,
+    capacity_factor: float = 1.25,
+    dropless: bool = False,
+    score: str = "softmax",
+    bias: jax.Array | None = None,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+) -> tuple[jax.Array, Routing]:
+    """A mixture of experts as one call: routing, dispatch, the experts, combine, under any layout.
+
+    Each row is a routing group (so every layout routes and drops the same tokens). The experts
+    run on ``(E, B, C, D)`` buffers of their routed tokens: under an ``expert`` axis the buffers
+    go to their experts' devices and back with one all-to-all each way (the bound's four a
+    layer with the backward pass); without one, XLA splits the experts as the rules split them.
+
+    Args:
+      x: ``(B, T, D)`` tokens.
+      router: ``(D, E)`` router weights.
+      w_in: ``(E, D, F)`` experts' input weights, or ``(E, D, 2, F)`` for gated units
+        (``activation(x W_gate) * x W_up``).
+      w_out: ``(E, F, D)`` experts' output weights.
+      top_k: experts per token, ``1 <= top_k <= E``.
+      capacity_factor: slots per expert, as a multiple of an even share (``T x top_k / E``) of its
+        row; tokens beyond an expert's slots are dropped (their output is 0). ``> 0``.
+      dropless: a slot for every token of the row at every expert: nothing is dropped.
+      score: ``"softmax"`` or ``"sigmoid"`` router scores.
+      bias: ``(E,)`` score bias that chooses experts without weighing them (auxiliary-loss-free
+        balancing; :func:`balance_bias`).
+      activation: the experts' nonlinearity.
+
+    Returns:
+      ``(y (B, T, D), routing)``: :class:`Routing` with the load-balancing loss, the pairs
+      routed to each expert and the fraction dropped.
+
+    Example:
+      >>> k = jax.random.split(jax.random.key(0), 4)
+      >>> x = jax.random.normal(k[0], (2, 8, 16))
+      >>> y, r = moe_layer(x, jax.random.normal(k[1], (16, 4)), jax.random.normal(k[2], (4, 16, 2, 32)),
+      ...                  jax.random.normal(k[3], (4, 32, 16)), top_k=2, capacity_factor=2.0)
+      >>> y.shape, r.tokens_per_expert.shape, int(r.tokens_per_expert.sum())
+      ((2, 8, 16), (4,), 32)
+    """
+    t, e = x.shape[1], router.shape[-1]
+    _check_layer(x, router, w_in, w_out, top_k, capacity_factor)
+    capacity = t if dropless else max(1, math.ceil(capacity_factor * t * top_k / e))
+    with jax.named_scope("router"):
+        logits = x.astype(jnp.float32) @ router.astype(jnp.float32)  # (B, T, E)
+        routing = route_tokens(logits, top_k, capacity, score, bias)
+    with jax.named_scope("dispatch"):
+        buffers = jnp.einsum("gsec,gsd->egcd", routing.dispatch.astype(x.dtype), x)  # (E, B, C, D), local tokens
+        buffers = exchange(buffers, to_experts=True)
+    with jax.named_scope("experts"):
+        if w_in.ndim == 4:
+            h = jnp.einsum("egcd,edxf->egcxf", buffers, w_in.astype(x.dtype))  # (E, B, C, 2, F)
+            h = activation(h[..., 0, :]) * h[..., 1, :]  # (E, B, C, F)
+        else:
+            h = activation(jnp.einsum("egcd,edf->egcf", buffers, w_in.astype(x.dtype)))  # (E, B, C, F)
+        out = jnp.einsum("egcf,efd->egcd", h, w_out.astype(x.dtype))  # (E, B, C, D)
+        out = exchange(out, to_experts=False)
+    with jax.named_scope("combine"):
+        y = jnp.einsum("gsec,egcd->gsd", routing.combine.astype(x.dtype), out)  # (B, T, D)
+    return y, routing
+
+
+def _check_layer(
+    x: jax.Array, router: jax.Array, w_in: jax.Array, w_out: jax.Array, top_k: int, capacity_factor: float
+) -> None:
+    """Refuse a layer that cannot route, naming the fix (before anything is computed)."""
+    e = router.shape[-1]
+    if not 1 <= top_k <= e:
+        raise InputError(f"moe_layer: top_k={top_k} experts per token out of {e}; choose top_k between 1 and {e}.")
+    if capacity_factor <= 0:
+        raise InputError(
+            f"moe_layer: capacity_factor={capacity_factor} leaves no slot for any token; choose one > 0 "
+            "(1.25 is usual), or dropless=True."
+        )
+    d = x.shape[-1]
+    shapes = {"router": (router.shape, (d, e)), "w_in": (w_in.shape[:2], (e, d)), "w_out": (w_out.shape[::2], (e, d))}
+    wrong = {name: got for name, (got, want) in shapes.items() if tuple(got) != want}
+    if x.ndim != 3 or wrong or w_out.shape[1] != w_in.shape[-1]:
+        raise InputError(
+            f"moe_layer: x {tuple(x.shape)} (B, T, D), router {tuple(router.shape)} (D, E), w_in "
+            f"{tuple(w_in.shape)} (E, D, F) or (E, D, 2, F), w_out {tuple(w_out.shape)} (E, F, D) do not agree"
+            f"{' (' + ', '.join(wrong) + ')' if wrong else ''}; fix the shapes to those."
+        )
 
 
 class MoE(nnx.Module):
@@ -140,18 +294,13 @@ class MoE(nnx.Module):
         return max(1, math.ceil(self.capacity_factor * tokens_per_group * self.top_k / self.n_experts))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        t = x.shape[1]
-        with jax.named_scope("router"):
-            logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # (B, T, E)
-            dispatch, combine, aux = route(logits, self.top_k, self.capacity(t))
-        with jax.named_scope("dispatch"):
-            buffers = jnp.einsum("gsec,gsd->egcd", dispatch.astype(x.dtype), x)  # (E, B, C, D), local tokens
-            buffers = exchange(buffers, to_experts=True)
-        with jax.named_scope("experts"):
-            h = jnp.einsum("egcd,edxf->egcxf", buffers, self.w_gate_up[...].astype(x.dtype))  # (E, B, C, 2, F)
-            h = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]  # (E, B, C, F)
-            out = jnp.einsum("egcf,efd->egcd", h, self.w_down[...].astype(x.dtype))  # (E, B, C, D)
-            out = exchange(out, to_experts=False)
-        with jax.named_scope("combine"):
-            y = jnp.einsum("gsec,egcd->gsd", combine.astype(x.dtype), out)  # (B, T, D)
-        return y, aux
+        y, routing = moe_layer(
+            x,
+            self.router[...],
+            self.w_gate_up[...],
+            self.w_down[...],
+            top_k=self.top_k,
+            capacity_factor=self.capacity_factor,
+            dropless=self.dropless,
+        )
+        return y, routing.aux_loss

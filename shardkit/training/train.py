@@ -31,7 +31,7 @@ from shardkit.core.mesh import Layout, as_layout
 from shardkit.core.partition import named, path_str, use_sharding
 from shardkit.core.precision import Precision, as_precision
 from shardkit.core.rules import RulesLike, as_rules, default_rules, tensor_sequence_parallel
-from shardkit.core.sharding import ShardingPlan, plan_sharding, unnamed_model_note
+from shardkit.core.sharding import ShardingPlan, plan_sharding, rows_only_expert_note, unnamed_model_note
 from shardkit.core.state import TrainState, master_copy, update_target
 from shardkit.models.model import Model, with_frozen_base
 from shardkit.parallel.schedule import Schedule
@@ -210,9 +210,10 @@ class Trainer:
                 f"zero={zero} shards the optimizer state over the data axis, but layout {self.layout.spec()} has "
                 "data=1. Fix: add a data axis (e.g. 'data=8'), or use fsdp for ZeRO-3."
             )
-        unnamed = unnamed_model_note(model, dict(self.plan.mesh.shape))
-        if unnamed is not None:
-            warnings.warn(unnamed, stacklevel=2)
+        for note in (unnamed_model_note, rows_only_expert_note):
+            said = note(model, dict(self.plan.mesh.shape))
+            if said is not None:
+                warnings.warn(said, stacklevel=2)
         self.mesh, self.rules = self.plan.mesh, self.plan.rules
         self.abstract_params, self.param_specs = self.plan.abstract_params, self.plan.param_specs
         self.state_specs, self.state_shardings = self.plan.state_specs, self.plan.state_shardings
