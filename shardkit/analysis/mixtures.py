@@ -34,9 +34,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from shardkit.analysis.report_data import moved_bytes
+from shardkit.core.partition import Axes, path_str
+from shardkit.core.rules import entry_axes
 from shardkit.core.sharding import EXPERT_NAMES
+from shardkit.models.model import apply_model
 
 # Operations that pass (part of) a weight on as the same numbers: a matmul on their output reads the weight.
 _VIEWS = frozenset(
@@ -271,8 +275,6 @@ def dispatch_bytes(routed_bytes: float, expert_axis: int) -> float:
 
 def parameter_leaves(model: Any) -> list[tuple[str, tuple[int, ...], tuple[Any, ...] | None]]:
     """``(path, shape, logical names)`` of a shardkit model's parameter leaves, in tree order."""
-    from shardkit.core.partition import Axes, path_str
-
     shapes = jax.tree_util.tree_flatten_with_path(model.abstract_params())[0]
     axes = jax.tree.leaves(model.axes, is_leaf=lambda x: isinstance(x, Axes))
     return [
@@ -309,8 +311,6 @@ def top_k_in(closed_jaxpr: Any) -> int:
 def traced_forward(model: Any, loss: Any, batch: Any) -> Any:
     """The forward loss of ``model`` on abstract ``batch`` as a closed jaxpr whose first inputs
     are the parameters' leaves (nothing is computed or allocated)."""
-    from shardkit.models.model import apply_model
-
     shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
 
     def forward_loss(params: Any, rows: Any, state: Any) -> Any:
@@ -336,10 +336,6 @@ def bound_terms(
       ``expert_param_bytes``, ``expert_whole_over_tensor_bytes`` and ``expert_bytes`` (the
       dispatch and combine, traced only where the layout has an ``expert`` axis).
     """
-    from jax.sharding import PartitionSpec
-
-    from shardkit.core.rules import entry_axes
-
     leaves = parameter_leaves(model)
     experts = expert_weights(leaves)
     out = {"expert_param_bytes": 0.0, "expert_whole_over_tensor_bytes": 0.0, "expert_bytes": 0.0}

@@ -131,13 +131,16 @@ class _ScatterReading:
         return ("reduce-scatter", "all-reduce+dynamic-slice") if gradient_scatter else (c.kind, "")
 
     def gradient_shapes(self, axes: tuple[str, ...]) -> frozenset[tuple[int, ...]]:
-        """Local gradient shapes while still whole along ``axes`` (and per layer, without dim 0),
-        also as the matrices a layer may multiply by, either way round (its weight's leading
-        dimensions merged, and its trailing ones: the gradient is reduced in that shape)."""
+        """Local gradient shapes, of the parameters some of ``axes`` split, while still whole
+        along ``axes`` (and per layer, without dim 0), also as the matrices a layer may multiply
+        by, either way round (its weight's leading dimensions merged, and its trailing ones: the
+        gradient is reduced in that shape)."""
         if axes not in self._gradient_shapes:
             out = set()
             for spec, shape in zip(self.specs, self.shapes, strict=True):
                 entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+                if not {a for e in entries for a in entry_axes(e)} & set(axes):
+                    continue  # a parameter no axis of ``axes`` splits is all-reduced over them, not scattered
                 local = tuple(
                     d // math.prod(self.mesh_shape[a] for a in entry_axes(e) if a not in axes)
                     for d, e in zip(shape, entries, strict=True)

@@ -51,12 +51,17 @@ _SAME_DIMS = frozenset(
     {"convert_element_type", "copy", "copy_p", "reduce_precision", "sharding_constraint", "slice", "dynamic_slice"}
 )
 _MATMULS = frozenset({"dot_general", "ragged_dot_general"})
+_CASTS = frozenset({"convert_element_type", "copy", "copy_p"})
 # Inner programs re-traced with constraints inside (their operands map one to one to its inputs).
 _INNER = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
 
 
 def place_experts(
-    fn: Callable[..., Any], expert_dims: Mapping[int, int], mesh: Mesh, axis: str = "expert"
+    fn: Callable[..., Any],
+    expert_dims: Mapping[int, int],
+    mesh: Mesh,
+    axis: str = "expert",
+    grouped_specs: Mapping[int, PartitionSpec] | None = None,
 ) -> Callable[..., Any]:
     """``fn`` with the expert dimension of each expert matmul constrained to mesh axis ``axis``.
 
@@ -66,6 +71,10 @@ def place_experts(
         leaves in tree order: which of their dimensions indexes the experts.
       mesh: the mesh the step runs on.
       axis: the mesh axis the experts are split over.
+      grouped_specs: ``{leaf index: spec}``: how a grouped matmul (``jax.lax.ragged_dot``) reads
+        each expert weight: its stored split without the axes that split the rows. XLA's
+        partitioner reduces a grouped matmul's output over a row axis that splits its weight
+        (ZeRO-3 turned into tensor parallelism) where a plain matmul's weight is gathered.
 
     Returns:
       A function of the same arguments and results.
@@ -77,8 +86,9 @@ def place_experts(
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
         closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(*shapes)
         dims = [expert_dims.get(i) if i < n_params else None for i in range(len(flat))]
+        specs = [(grouped_specs or {}).get(i) if i < n_params else None for i in range(len(flat))]
         walk = _Placement(mesh, axis)
-        outs = walk.evaluate(closed.jaxpr, closed.consts, flat, dims)
+        outs = walk.evaluate(closed.jaxpr, closed.consts, flat, dims, specs)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return placed
@@ -98,11 +108,20 @@ class _Placement:
         self.placed += 1
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
 
-    def evaluate(self, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], dims: Sequence[int | None]) -> list:
+    def evaluate(
+        self,
+        jaxpr: Jaxpr,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        dims: Sequence[int | None],
+        specs: Sequence[PartitionSpec | None],
+    ) -> list:
         env: dict[Any, Any] = {}
         # Expert dimensions: of views of expert weights, and of the routed experts' outputs.
         where: dict[Any, int] = {}
         self.routed: dict[Any, int] = {}
+        # Expert weights as a grouped matmul reads them (through casts), and that split.
+        self.grouped = {v: spec for v, spec in zip(jaxpr.invars, specs, strict=True) if spec is not None}
         read = lambda v: v.val if isinstance(v, Literal) else env[v]
         for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), [*consts, *args], strict=True):
             env[v] = x
@@ -117,6 +136,8 @@ class _Placement:
                 env[v] = x
             _follow(eqn, where)
             _follow(eqn, self.routed, elementwise=True)
+            if eqn.primitive.name in _CASTS and _get(self.grouped, eqn.invars[0]) is not None:
+                self.grouped[eqn.outvars[0]] = self.grouped[eqn.invars[0]]
         return [read(v) for v in jaxpr.outvars]
 
     def _equation(self, eqn: Any, args: list[Any], dims: list[int | None]) -> list[Any]:
@@ -131,13 +152,19 @@ class _Placement:
                 x if _get(self.routed, v) is None else self.constrain(x, self.routed[v], None)
                 for x, v in zip(args, eqn.invars, strict=True)
             ]
+        if name == "ragged_dot_general" and _get(self.grouped, eqn.invars[1]) is not None:
+            self.placed += 1
+            weight = NamedSharding(self.mesh, self.grouped[eqn.invars[1]])
+            args = [args[0], jax.lax.with_sharding_constraint(args[1], weight), *args[2:]]
         if name == "top_k":
             values, indices = top_k_by_rows(args[0], int(eqn.params["k"]))
             return [values, indices.astype(eqn.outvars[1].aval.dtype)]
         if name in _INNER or name == "scan":
+            specs = [_get(self.grouped, v) for v in eqn.invars]
             inner_dims = _scan_dims(eqn, dims) if name == "scan" else dims
-            if any(d is not None for d in inner_dims) or name == "scan":
-                rewritten = self._inner(eqn, params, inner_dims)
+            inner_specs = _scan_dims(eqn, specs) if name == "scan" else specs
+            if any(d is not None for d in [*inner_dims, *inner_specs]) or name == "scan":
+                rewritten = self._inner(eqn, params, inner_dims, inner_specs)
                 if rewritten is not None:
                     return _bind(eqn, rewritten, args)
         ans = eqn.primitive.bind(*args, **params)
@@ -166,17 +193,19 @@ class _Placement:
         out = eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(eqn.params))
         return out if out_dim is None else self.constrain(out, out_dim)
 
-    def _inner(self, eqn: Any, params: dict[str, Any], dims: list[int | None]) -> dict[str, Any] | None:
+    def _inner(
+        self, eqn: Any, params: dict[str, Any], dims: list[int | None], specs: list[PartitionSpec | None]
+    ) -> dict[str, Any] | None:
         """The equation's parameters with its inner program re-traced with constraints inside,
         or None where it places none."""
         key = "jaxpr" if eqn.primitive.name == "scan" else _INNER[eqn.primitive.name]
         program = params[key]
         closed = program if isinstance(program, ClosedJaxpr) else ClosedJaxpr(program, ())
         avals = [v.aval for v in closed.jaxpr.invars]
-        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals]
-        before, routed = self.placed, self.routed
-        traced = jax.make_jaxpr(lambda *xs: self.evaluate(closed.jaxpr, closed.consts, xs, dims))(*specs)
-        self.routed = routed
+        shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals]
+        before, routed, grouped = self.placed, self.routed, self.grouped
+        traced = jax.make_jaxpr(lambda *xs: self.evaluate(closed.jaxpr, closed.consts, xs, dims, specs))(*shapes)
+        self.routed, self.grouped = routed, grouped
         if self.placed == before:
             return None
         if isinstance(program, ClosedJaxpr):
@@ -225,22 +254,24 @@ def _through_view(eqn: Any, d: int) -> int | None:
     return None
 
 
-def _get(where: dict[Any, int], v: Any) -> int | None:
+def _get(where: dict[Any, Any], v: Any) -> Any:
     return None if isinstance(v, Literal) else where.get(v)
 
 
-def _scan_dims(eqn: Any, dims: list[int | None]) -> list[int | None]:
-    """A scan's constants keep their expert dimension, each stacked input loses its leading one,
-    the carry is nobody's weight."""
+def _scan_dims(eqn: Any, dims: list[Any]) -> list[Any]:
+    """A scan's constants keep their expert dimension (or split), each stacked input loses its
+    leading dimension, the carry is nobody's weight."""
     n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-    out: list[int | None] = []
+    out: list[Any] = []
     for j, d in enumerate(dims):
         if j < n_consts:
             out.append(d)
-        elif j < n_consts + n_carry or d is None or d == 0:
+        elif j < n_consts + n_carry or d is None or (isinstance(d, int) and d == 0):
             out.append(None)
-        else:
+        elif isinstance(d, int):
             out.append(d - 1)
+        else:
+            out.append(PartitionSpec(*tuple(d)[1:]))
     return out
 
 

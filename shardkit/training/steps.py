@@ -429,19 +429,28 @@ def make_step(
 
 
 def experts_placed(model: Model, plan: ShardingPlan) -> Model:
-    """``model`` whose forward pass keeps each expert matmul on the ``expert`` mesh axis
-    (:mod:`shardkit.parallel.expert_placement`), where the layout splits its experts' weights
-    over ``expert``; ``model`` itself otherwise (no expert axis, or no experts)."""
-    if plan.layout.size("expert") == 1:
-        return model
+    """``model`` whose forward pass keeps each expert matmul on the ``expert`` mesh axis and reads
+    the weights of its grouped matmuls without the row axes' split
+    (:mod:`shardkit.parallel.expert_placement`); ``model`` itself where neither applies (no
+    experts, or no axis that splits them)."""
     specs = jax.tree.leaves(plan.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    dims = {
-        i: d
-        for i, d in expert_dims(parameter_leaves(model)).items()
-        if d < len(specs[i]) and "expert" in entry_axes(specs[i][d])
-    }
-    if not dims:
+    rows = set(dict(plan.rules.rules).get("batch", ())) - {"expert"}
+    dims, grouped = {}, {}
+    for i, d in expert_dims(parameter_leaves(model)).items():
+        entries = tuple(specs[i])
+        if d < len(entries) and "expert" in entry_axes(entries[d]) and plan.layout.size("expert") > 1:
+            dims[i] = d
+        compute = tuple(_without(e, rows) for e in entries)
+        if compute != entries:
+            grouped[i] = PartitionSpec(*compute)
+    if not dims and not grouped:
         return model
-    apply = place_experts(model.apply, dims, plan.mesh)
-    state_apply = None if model.state_apply is None else place_experts(model.state_apply, dims, plan.mesh)
-    return dataclasses.replace(model, apply=apply, state_apply=state_apply)
+    place = lambda fn: place_experts(fn, dims, plan.mesh, grouped_specs=grouped)
+    state_apply = None if model.state_apply is None else place(model.state_apply)
+    return dataclasses.replace(model, apply=place(model.apply), state_apply=state_apply)
+
+
+def _without(entry: Any, axes: set[str]) -> Any:
+    """A spec entry without ``axes`` (None when nothing is left)."""
+    kept = tuple(a for a in entry_axes(entry) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept

@@ -122,6 +122,11 @@ class Trainer:
         microbatches, ``"auto"`` and ``"once"`` also reduce once where the model reads a
         parameter twice (a tied embedding table: XLA would reduce each use's gradient part);
         ``"per_microbatch"`` keeps XLA's one pass.
+      place_experts: keep each matmul of an expert weight (a parameter dimension named
+        ``experts``) on the ``expert`` axis, so tokens travel to their experts rather than the
+        weights to the tokens, and read grouped matmuls' weights gathered from the row axes
+        (:mod:`shardkit.parallel.expert_placement`). Only shardings change; False compiles the
+        model as XLA's partitioner alone would (to compare).
 
     Example:
       >>> import optax, shardkit as sk
@@ -154,6 +159,7 @@ class Trainer:
         zero: int = 0,
         fsdp_min_size: int | None = None,
         reduce_gradients: str = "auto",
+        place_experts: bool = True,
     ) -> None:
         if not isinstance(optimizer, optax.GradientTransformation):
             raise ModelError(NOT_AN_OPTIMIZER.format(got=short_repr(optimizer)))
@@ -221,7 +227,7 @@ class Trainer:
         self.fallbacks = list(self.plan.fallbacks)
         self.vocab = vocab_size(self.abstract_params, model.axes)
         grads, self.accumulation = choose(
-            experts_placed(model, self.plan),
+            experts_placed(model, self.plan) if place_experts else model,
             loss,
             self.precision,
             microbatches,
