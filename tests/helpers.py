@@ -82,6 +82,7 @@ def gpt_reference(
     def one(params: dict, tokens: jax.Array) -> jax.Array:
         out = nnx.merge(graphdef, params)(tokens[:, :-1])
         logits, aux = out if isinstance(out, tuple) else (out, 0.0)
+        aux = getattr(aux, "loss", aux)  # a mixture of experts' ExpertLoad: its weighted loss
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean() + aux
 
     def loss(params: dict, batch: dict) -> jax.Array:

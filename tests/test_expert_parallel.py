@@ -283,3 +283,22 @@ def test_a_users_model_calling_the_callable_trains_as_one_device_at_its_bound():
     np.testing.assert_allclose(losses, expected, rtol=2e-5, atol=2e-5)
     r = t.report(abstract_batch("user_moe"))
     assert sum(c.count for c in r.collectives if c.kind == "all-to-all") == 8 and r.ratios["bytes"] <= 1.02, r.table()
+
+
+@pytest.mark.parametrize("layout, microbatches", [("data=2,expert=4", 1), ("data=8", 2), ("data=4,tensor=2", 1)])
+def test_the_steps_metrics_say_where_the_tokens_went_as_one_device_routes_them(layout, microbatches):
+    cfg = GPTConfig.preset("tiny-moe", capacity_factor=1.0)
+    tokens = sk.TextDataset.builtin().batch(0, batch_size=16, seq_len=32)["tokens"]
+    t = sk.Trainer(cfg.model(), optax.adamw(1e-3), layout, microbatches=microbatches)
+    state = t.init(seed=0)
+    params = jax.tree.map(np.asarray, state.params)  # the step's own parameters, on the host
+    _, metrics = t.step(state, t.shard_batch({"tokens": tokens}))
+    # One device, the model called as Flax calls it, on the parameters the step read.
+    with jax.default_device(jax.devices()[0]), nnx.use_eager_sharding(False):
+        graphdef = nnx.graphdef(sk.models.GPT(cfg, rngs=nnx.Rngs(0)))
+        _, load = nnx.merge(graphdef, params)(jnp.asarray(tokens[:, :-1]))
+    assert load.tokens.shape == (2, 4) and float(load.tokens.sum()) == 2 * 16 * 32 * 2  # layers x tokens x top-2
+    assert float(metrics["expert_tokens_min"]) == float(load.tokens.min())
+    assert float(metrics["expert_tokens_max"]) == float(load.tokens.max())
+    expected = float(load.dropped.sum() / load.pairs.sum())
+    assert float(metrics["dropped_fraction"]) == pytest.approx(expected, abs=1e-6) and 0.0 < expected < 1.0

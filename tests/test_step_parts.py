@@ -67,7 +67,7 @@ def test_make_step_applies_the_optimizer_and_the_guard_refuses_nan():
     step = make_step(plain_grads(model, sk.next_token_loss, as_precision("fp32")), tx, as_precision("fp32"), "skip")
     new, metrics = jax.jit(step)(state, {"tokens": jnp.asarray(TOKENS)})
     assert bool(metrics["finite"]) and int(new.step) == 1
-    _, _, grads, _ = plain_grads(model, sk.next_token_loss, as_precision("fp32"))(
+    _, _, grads, _, _ = plain_grads(model, sk.next_token_loss, as_precision("fp32"))(
         params, None, {"tokens": jnp.asarray(TOKENS)}, jax.random.fold_in(jax.random.key(1), 0)
     )
     want = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)  # SGD by hand

@@ -41,6 +41,7 @@ from shardkit.core.partition import Axes, path_str
 from shardkit.core.rules import entry_axes
 from shardkit.core.sharding import EXPERT_NAMES
 from shardkit.models.model import apply_model
+from shardkit.parallel.experts import load_apart
 
 # Operations that pass (part of) a weight on as the same numbers: a matmul on their output reads the weight.
 _VIEWS = frozenset(
@@ -314,7 +315,7 @@ def traced_forward(model: Any, loss: Any, batch: Any) -> Any:
     shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
 
     def forward_loss(params: Any, rows: Any, state: Any) -> Any:
-        return loss(lambda inputs: apply_model(model, params, state, inputs, jax.random.key(0))[0], rows)
+        return loss(lambda inputs: load_apart(apply_model(model, params, state, inputs, jax.random.key(0))[0])[0], rows)
 
     rows = jax.tree.map(shape, dict(batch))
     return jax.make_jaxpr(forward_loss)(model.abstract_params(), rows, model.abstract_model_state())

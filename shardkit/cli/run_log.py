@@ -59,11 +59,16 @@ def board_values(
         "train/tokens_per_s": tokens_per_s,
         "train/mfu": mfu(trainer.model, cfg, tokens_per_s, trainer.mesh.devices.size),
     }
+    values |= {f"experts/{k}": float(metrics[k]) for k in EXPERT_METRICS if k in metrics}
     if step == 1:  # the compiled step's state and temporaries per device, once
         memory = trainer.compile(batch).memory_analysis()
         if memory is not None:
             values["memory/per_device_mib"] = (memory.argument_size_in_bytes + memory.temp_size_in_bytes) / 2**20
     return values
+
+
+# A mixture of experts' step metrics (shardkit.training.steps.load_metrics), logged as they come.
+EXPERT_METRICS = ("expert_tokens_min", "expert_tokens_max", "dropped_fraction")
 
 
 def open_json_log(path: pathlib.Path, first_step: int) -> TextIO:
@@ -139,6 +144,7 @@ def log_step(
     if log is not None:
         record = {"step": step, "loss": loss, "tokens_per_s": cfg.batch * cfg.seq / seconds}
         record |= {"grad_norm": float(metrics["grad_norm"]), "seconds": seconds, **evaluated}
+        record |= {k: float(metrics[k]) for k in EXPERT_METRICS if k in metrics}  # a mixture of experts' load
         log.write(json.dumps(record) + "\n")
         log.flush()
     if board is not None:

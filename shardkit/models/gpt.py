@@ -36,7 +36,7 @@ from shardkit.models.model import Model
 from shardkit.models.nnx_adapter import from_nnx
 from shardkit.models.rope import RopeScaling, angles, inverse_frequencies
 from shardkit.models.segments import current_segments, positions_in_rows, same_document
-from shardkit.parallel.experts import MoE
+from shardkit.parallel.experts import ExpertLoad, MoE
 from shardkit.parallel.ring_attention import ring_attention
 
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -997,7 +997,8 @@ def _layer(
 
 class GPT(nnx.Module):
     """Decoder-only language model. ``__call__(tokens (B, T) int, rngs=None) -> logits (B, T, V)``,
-    or ``(logits, weighted load-balancing loss)`` for a mixture-of-experts GPT (``n_experts > 0``).
+    or ``(logits, ExpertLoad)`` for a mixture-of-experts GPT (``n_experts > 0``): the weighted
+    load-balancing loss (``.loss``, which the step adds) and each layer's routed and dropped tokens.
 
     ``rngs`` (an ``nnx.Rngs`` with a ``dropout`` stream) turns dropout on; None is evaluation.
     """
@@ -1074,6 +1075,14 @@ class GPT(nnx.Module):
         Returns:
           ``((B, T, D), weighted load-balancing loss of these layers)`` (0 for a dense MLP).
         """
+        x, per_layer = self.layers_with_load(x, key, first_layer)
+        return x, per_layer.loss if isinstance(per_layer, ExpertLoad) else per_layer
+
+    def layers_with_load(
+        self, x: jax.Array, key: jax.Array | None = None, first_layer: int | jax.Array = 0
+    ) -> tuple[jax.Array, jax.Array | ExpertLoad]:
+        """:meth:`run_layers`, and for a mixture of experts where the tokens went: ``(x, loss)``
+        for a dense MLP, ``(x, ExpertLoad)`` (the weighted loss, each layer's load) otherwise."""
         cfg = self.cfg
         keys = self._keys(key)
         kinds = cfg.sliding_layers
@@ -1106,7 +1115,9 @@ class GPT(nnx.Module):
                 layer_key = None if keys is None else keys[i]
                 x, layer_aux = _layer(block, x, layer_key, cfg.remat, f"layer_{i}", sliding)
                 per_layer.append(layer_aux)
-            aux = jnp.stack(per_layer)  # (L,)
+            aux = jax.tree.map(lambda *layers: jnp.stack(layers), *per_layer)  # (L, ...)
+        if isinstance(aux, ExpertLoad):
+            return x, aux._replace(loss=cfg.aux_loss_weight * aux.loss.sum() / cfg.n_layers)
         return x, cfg.aux_loss_weight * aux.sum() / cfg.n_layers
 
     def head(self, x: jax.Array) -> jax.Array:
@@ -1170,7 +1181,7 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
         key = None if rngs is None else rngs.dropout()
-        x, aux = self.run_layers(self.embed_inputs(tokens, key), key)
+        x, aux = self.layers_with_load(self.embed_inputs(tokens, key), key)
         logits = self.head(x)
         return (logits, aux) if self.cfg.n_experts else logits
 

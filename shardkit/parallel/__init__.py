@@ -7,9 +7,11 @@ May import: ``core``, ``runtime``.
 from shardkit._lazy import install
 
 _WHERE = {
+    "ExpertLoad": "experts",
     "MoE": "experts",
     "Routing": "experts",
     "balance_bias": "experts",
+    "load_apart": "experts",
     "moe_layer": "experts",
     "route": "experts",
     "route_tokens": "experts",
@@ -21,10 +23,12 @@ _WHERE = {
 }
 
 __all__ = [
+    "ExpertLoad",
     "MoE",
     "Routing",
     "Schedule",
     "balance_bias",
+    "load_apart",
     "make_schedule",
     "moe_layer",
     "pipeline_value_and_grad",

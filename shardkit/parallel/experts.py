@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +65,34 @@ class Routing(NamedTuple):
     aux_loss: jax.Array
     tokens_per_expert: jax.Array
     dropped: jax.Array
+
+
+class ExpertLoad(NamedTuple):
+    """A mixture-of-experts model's auxiliary output: its load-balancing loss and where its
+    tokens went, per layer (what a step's metrics report: ``expert_tokens_min``/``_max``, the
+    (token, choice) pairs the least and the most loaded expert got, and ``dropped_fraction``).
+
+    Attributes:
+      loss: ``()`` the weighted load-balancing loss (added to the model's loss).
+      tokens: ``(L, E)`` (token, choice) pairs routed to each expert of each layer.
+      dropped: ``(L,)`` pairs that found their expert full.
+      pairs: ``(L,)`` pairs routed (tokens x top_k).
+    """
+
+    loss: jax.Array
+    tokens: jax.Array
+    dropped: jax.Array
+    pairs: jax.Array
+
+
+def load_apart(outputs: Any) -> tuple[Any, dict[str, jax.Array]]:
+    """A model's outputs with a mixture of experts' :class:`ExpertLoad`
+    replaced by its loss (what a loss adds), and the load as sums over layers (empty for others)."""
+    if isinstance(outputs, tuple) and len(outputs) == 2 and isinstance(outputs[1], ExpertLoad):
+        load = outputs[1]
+        sums = {"expert_tokens": load.tokens, "expert_dropped": load.dropped.sum(), "expert_pairs": load.pairs.sum()}
+        return (outputs[0], load.loss), sums
+    return outputs, {}
 
 
 def route_tokens(
@@ -255,7 +283,8 @@ def _check_layer(
 
 
 class MoE(nnx.Module):
-    """SwiGLU experts behind a top-k router. ``(B, T, D) -> ((B, T, D), load-balancing loss)``.
+    """SwiGLU experts behind a top-k router. ``(B, T, D) -> ((B, T, D), ExpertLoad)`` (one layer's:
+    a scalar loss, ``(E,)`` tokens, scalar dropped and routed pairs).
 
     ``dropless``: every expert has a slot for every token of its group (memory and FLOPs of
     ``E / top_k`` times the even share), so no token is dropped and the result is that of
@@ -303,4 +332,8 @@ class MoE(nnx.Module):
             capacity_factor=self.capacity_factor,
             dropless=self.dropless,
         )
-        return y, routing.aux_loss
+        pairs = jnp.asarray(routing.dispatch.shape[0] * routing.dispatch.shape[1] * self.top_k, jnp.float32)
+        load = ExpertLoad(
+            routing.aux_loss, routing.tokens_per_expert.astype(jnp.float32), routing.dropped * pairs, pairs
+        )
+        return y, load

@@ -49,11 +49,13 @@ from shardkit.core.rules import entry_axes
 from shardkit.core.sharding import ShardingPlan
 from shardkit.models.model import Model, Params
 from shardkit.parallel.embedding_gradients import Tables
+from shardkit.parallel.experts import load_apart
 from shardkit.parallel.input_gradients import reduce_input_gradients_once
 from shardkit.parallel.schedule import Schedule
 from shardkit.training.losses import Batch, LossFn, scored_dtype
 from shardkit.training.steps import (
     GradsFn,
+    GradsOut,
     counts_differ,
     pipelined_grads,
     plain_grads,
@@ -137,24 +139,25 @@ def accumulated_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan) 
         return grads_fn
     shardings = named(plan.grad_specs, plan.mesh)
 
-    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
+    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> GradsOut:
         micro = split_microbatches(batch, microbatches, plan)
         zeros = plan.constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), shardings)
         weighted = counts_differ(batch)
 
         def body(carry: tuple[Any, ...], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, ...], None]:
-            grad_sum, loss_sum, count_sum, state = carry
+            grad_sum, loss_sum, count_sum, state, sums = carry
             mb, i = xs
             # Running statistics are updated microbatch after microbatch, as K forward passes would.
-            value, count, g, state = grads_fn(params, state, mb, jax.random.fold_in(key, i))
+            value, count, g, state, more = grads_fn(params, state, mb, jax.random.fold_in(key, i))
             w = count.astype(jnp.float32) if weighted else 1.0
             grad_sum = plan.constrain(jax.tree.map(lambda a, b: a + w * b.astype(jnp.float32), grad_sum, g), shardings)
-            return (grad_sum, loss_sum + w * value, count_sum + count, state), None
+            return (grad_sum, loss_sum + w * value, count_sum + count, state, _added(sums, more)), None
 
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), scored_dtype(batch)), model_state)
-        (grad_sum, loss_sum, count, state), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
+        sums = _zero_sums(grads_fn, params, model_state, jax.tree.map(lambda x: x[0], micro), key)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), scored_dtype(batch)), model_state, sums)
+        (grad_sum, loss_sum, count, state, sums), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
         total = jnp.maximum(count.astype(jnp.float32), 1.0) if weighted else microbatches
-        return loss_sum / total, count, jax.tree.map(lambda g: g / total, grad_sum), state
+        return loss_sum / total, count, jax.tree.map(lambda g: g / total, grad_sum), state, sums
 
     return grads
 
@@ -184,10 +187,10 @@ def once_reduced_grads(
     per_device = (
         _each_device_by_shard_map(grads_fn, plan, axes)
         if by_shard_map
-        else jax.vmap(grads_fn, in_axes=(None, None, 0, None), out_axes=(0, 0, 0, None), spmd_axis_name=axes)
+        else jax.vmap(grads_fn, in_axes=(None, None, 0, None), out_axes=(0, 0, 0, None, 0), spmd_axis_name=axes)
     )
 
-    def one_pass(params: Params, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
+    def one_pass(params: Params, batch: Batch, key: jax.Array) -> GradsOut:
         """One microbatch: each device's gradient in the parameters' dtype, reduced once."""
         specs = plan.batch_specs(batch)
         blocked = {
@@ -198,7 +201,7 @@ def once_reduced_grads(
             for name, x in batch.items()
         }
         with axes_taken(axes):
-            value, count, g, _ = per_device(params, None, blocked, key)
+            value, count, g, _, sums = per_device(params, None, blocked, key)
         if counts_differ(batch):  # each device block's mean weighs what it scored
             total = jnp.maximum(count.sum().astype(jnp.float32), 1.0)
             w = count.astype(jnp.float32) / total
@@ -214,12 +217,12 @@ def once_reduced_grads(
                 plan.grad_specs,
                 is_leaf=lambda x: isinstance(x, PartitionSpec),
             )
-        return value, count.sum(), reduced, None
+        return value, count.sum(), reduced, None, jax.tree.map(lambda x: x.sum(0), sums)
 
-    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
+    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> GradsOut:
         if microbatches == 1:
-            value, count, reduced, _ = one_pass(params, batch, key)
-            return value, count, reduced, model_state
+            value, count, reduced, _, sums = one_pass(params, batch, key)
+            return value, count, reduced, model_state, sums
         specs = plan.batch_specs(batch)
 
         def blocks(name: str, x: jax.Array) -> jax.Array:  # (K, B/K, ...) -> (K, n, B/(K n), ...)
@@ -230,11 +233,12 @@ def once_reduced_grads(
         zeros = plan.constrain(jax.tree.map(lambda p: jnp.zeros((n, *p.shape), jnp.float32), params), sums_at)
         weighted = counts_differ(batch)
 
-        def body(carry: tuple[Any, Any, Any], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, Any, Any], None]:
-            grad_sum, loss_sum, count_sum = carry
+        def body(carry: tuple[Any, ...], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, ...], None]:
+            grad_sum, loss_sum, count_sum, sums = carry
             mb, i = xs
             with axes_taken(axes):
-                value, count, g, _ = per_device(params, None, mb, jax.random.fold_in(key, i))
+                value, count, g, _, more = per_device(params, None, mb, jax.random.fold_in(key, i))
+            sums = _added(sums, jax.tree.map(lambda x: x.sum(0), more))
             if weighted:  # each device block's mean weighs what it scored: (n,) weights
                 w = count.astype(jnp.float32)
                 scale = lambda b: w.reshape(n, *([1] * (b.ndim - 1))) * b.astype(jnp.float32)
@@ -243,10 +247,12 @@ def once_reduced_grads(
             else:
                 grad_sum = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g)
                 loss_sum = loss_sum + value.mean()
-            return (plan.constrain(grad_sum, sums_at), loss_sum, count_sum + count.sum()), None
+            return (plan.constrain(grad_sum, sums_at), loss_sum, count_sum + count.sum(), sums), None
 
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), scored_dtype(batch)))
-        (grad_sum, loss_sum, count), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
+        with axes_taken(axes):  # one device's block, as the loop's body sees it
+            sums = _zero_sums(grads_fn, params, None, jax.tree.map(lambda x: x[0, 0], micro), key)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), scored_dtype(batch)), sums)
+        (grad_sum, loss_sum, count, sums), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
         total = jnp.maximum(count.astype(jnp.float32), 1.0) if weighted else microbatches * n
         with jax.named_scope(GRADIENT_REDUCTION_SCOPE):  # the report counts it as backward traffic
             reduced = jax.tree.map(
@@ -256,9 +262,19 @@ def once_reduced_grads(
                 is_leaf=lambda x: isinstance(x, PartitionSpec),
             )
         loss = loss_sum / total if weighted else loss_sum / microbatches
-        return loss, count, reduced, model_state  # choose() keeps models with state away
+        return loss, count, reduced, model_state, sums  # choose() keeps models with state away
 
     return grads
+
+
+def _zero_sums(grads_fn: GradsFn, params: Params, model_state: Any, batch: Batch, key: jax.Array) -> Any:
+    """Zeros shaped as the sums ``grads_fn`` reports on one (micro)batch (traced, not computed)."""
+    shapes = jax.eval_shape(grads_fn, params, model_state, batch, key)[4]
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _added(a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda x, y: x + y, a, b)
 
 
 def _each_device_by_shard_map(grads_fn: GradsFn, plan: ShardingPlan, axes: tuple[str, ...]) -> GradsFn:
@@ -268,14 +284,15 @@ def _each_device_by_shard_map(grads_fn: GradsFn, plan: ShardingPlan, axes: tuple
     rows = PartitionSpec(axes)
 
     def own_block(params: Params, model_state: Any, blocked: Batch, key: jax.Array) -> Any:
-        value, count, g, state = grads_fn(params, model_state, jax.tree.map(lambda x: x[0], blocked), key)
-        return value[None], count[None], jax.tree.map(lambda x: x[None], g), state
+        value, count, g, state, sums = grads_fn(params, model_state, jax.tree.map(lambda x: x[0], blocked), key)
+        stacked = lambda tree: jax.tree.map(lambda x: x[None], tree)
+        return value[None], count[None], stacked(g), state, stacked(sums)
 
     return jax.shard_map(
         own_block,
         mesh=plan.mesh,
         in_specs=(PartitionSpec(), PartitionSpec(), rows, PartitionSpec()),
-        out_specs=(rows, rows, rows, PartitionSpec()),
+        out_specs=(rows, rows, rows, PartitionSpec(), rows),
         axis_names=set(axes),
         check_vma=False,
     )
@@ -354,7 +371,7 @@ def choose(
     # holds its own rows only.
     once_by_shard_map = reducing(axes, by_shard_map=True) if schedule is None else once
 
-    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
+    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> GradsOut:
         jaxpr, found = _trace(model, loss, precision, plan, params, batch, key, microbatches, axes)
         reduced_once = once_by_shard_map if _primitives(jaxpr) & _GATHERS_ROWS_UNDER_VMAP else once
         if found and reduce == "once":
@@ -389,7 +406,7 @@ def _one_pass(
     once = once_reduced_grads(megatron, 1, plan, axes)
     own_rows = once_reduced_grads(megatron, 1, plan, axes, by_shard_map=True)
 
-    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
+    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> GradsOut:
         jaxpr, reason = _trace(model, loss, precision, plan, params, batch, key, 1, axes)
         if reason:
             return plain(params, model_state, batch, key)
@@ -515,7 +532,7 @@ def _trace(
         def forward(inputs: Any) -> Any:
             out = model.apply(compute, inputs, k)
             outputs.append(out)
-            return out
+            return load_apart(out)[0]
 
         return loss(forward, mb)
 

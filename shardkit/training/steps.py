@@ -1,7 +1,9 @@
 """The train step as small pure functions: gradient strategies and the update.
 
 A gradient strategy is a function ``(params, model_state, batch, key) -> (loss, count, grads,
-model_state)`` (``model_state``: running statistics, None for most models):
+model_state, sums)`` (``model_state``: running statistics, None for most models; ``sums``: a
+dict of what the model reports beside its loss, added over microbatches and devices, such as a
+mixture of experts' routed tokens; empty for most models):
 
 - :func:`plain_grads`: one pass over the whole batch;
 - ``shardkit.training.accumulation``: ``K`` microbatches in a ``lax.scan``, gradients summed in fp32;
@@ -34,11 +36,13 @@ from shardkit.core.sharding import ShardingPlan
 from shardkit.core.state import TrainState, frozen_in, next_master, update_target
 from shardkit.models.model import Model, Params, apply_model
 from shardkit.parallel.expert_placement import place_experts
+from shardkit.parallel.experts import load_apart
 from shardkit.parallel.pipeline import pipeline_value_and_grad
 from shardkit.parallel.schedule import Schedule, make_schedule
 from shardkit.training.losses import Batch, LossFn, scored_dtype
 
-GradsFn = Callable[[Params, Any, Batch, jax.Array], tuple[jax.Array, jax.Array, Params, Any]]
+GradsOut = tuple[jax.Array, jax.Array, Params, Any, dict[str, jax.Array]]
+GradsFn = Callable[[Params, Any, Batch, jax.Array], GradsOut]
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
 _KEY = "__dropout_key__"  # microbatch entry carrying each microbatch's key into the pipeline
 
@@ -132,22 +136,35 @@ def plain_grads(model: Model, loss: LossFn, precision: Precision) -> GradsFn:
     """Loss, count, gradients and updated model state of one (micro)batch; the forward runs in
     the compute dtype."""
 
-    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
-        def loss_of(p: Params) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> GradsOut:
+        def loss_of(p: Params) -> tuple[jax.Array, tuple[jax.Array, Any, dict[str, jax.Array]]]:
             compute_params = precision.cast_for_compute(p)
-            held = {"state": model_state}  # what the (last) forward call left
+            held = {"state": model_state, "sums": {}}  # what the (last) forward call left
 
             def forward(inputs: Any) -> Any:
                 outputs, held["state"] = apply_model(model, compute_params, model_state, inputs, key)
+                outputs, held["sums"] = load_apart(outputs)
                 return outputs
 
             value, count = loss(forward, batch)
-            return value, (count, held["state"])
+            return value, (count, held["state"], held["sums"])
 
-        (value, (count, new_state)), g = jax.value_and_grad(loss_of, has_aux=True)(params)
-        return value, count, g, new_state
+        (value, (count, new_state, sums)), g = jax.value_and_grad(loss_of, has_aux=True)(params)
+        return value, count, g, new_state, sums
 
     return grads
+
+
+def load_metrics(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """A step's metrics of where a mixture of experts sent its tokens: the (token, choice) pairs
+    the least and the most loaded expert got (over layers and experts) and the fraction dropped."""
+    if "expert_tokens" not in sums:
+        return {}
+    return {
+        "expert_tokens_min": sums["expert_tokens"].min(),
+        "expert_tokens_max": sums["expert_tokens"].max(),
+        "dropped_fraction": sums["expert_dropped"] / jnp.maximum(sums["expert_pairs"], 1.0),
+    }
 
 
 def make_eval(model: Model, loss: LossFn, precision: Precision) -> Callable[[Params, Any, Batch], tuple[Any, Any]]:
@@ -157,7 +174,9 @@ def make_eval(model: Model, loss: LossFn, precision: Precision) -> Callable[[Par
 
     def evaluate(params: Params, model_state: Any, batch: Batch) -> tuple[Any, Any]:
         compute_params = precision.cast_for_compute(params)
-        return loss(lambda inputs: apply_model(model, compute_params, model_state, inputs, None)[0], batch)
+        return loss(
+            lambda inputs: load_apart(apply_model(model, compute_params, model_state, inputs, None)[0])[0], batch
+        )
 
     return evaluate
 
@@ -260,7 +279,7 @@ def pipelined_grads(
     p, m = schedule.stages * schedule.virtual_stages, schedule.microbatches  # p: virtual stages
     per_stage = stages.n_layers // p
 
-    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> tuple[Any, Any, Params, Any]:
+    def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> GradsOut:
         micro = split_microbatches(batch, m, plan)
         micro[_KEY] = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(key, i)))(jnp.arange(m))
         layer_params = params[stages.layers]
@@ -334,7 +353,7 @@ def pipelined_grads(
                     plan.param_specs,
                     is_leaf=lambda x: isinstance(x, PartitionSpec),
                 )
-        return value, count, grads, model_state  # pipeline_schedule refuses models with state
+        return value, count, grads, model_state, {}  # pipeline_schedule refuses models with state
 
     return grads
 
@@ -368,7 +387,7 @@ def make_step(
     parameters (ZeRO: gathers them from the optimizer's shards, see :func:`gather_as_bits`).
 
     Returns metrics ``loss``, ``grad_norm``, ``tokens`` (plus ``finite``, ``finite_grads`` and
-    ``finite_params`` under a policy).
+    ``finite_params`` under a policy, and a mixture of experts' :func:`load_metrics`).
     """
 
     def updated_state(state: TrainState, grads: Any, model_state: Any) -> TrainState:
@@ -394,12 +413,12 @@ def make_step(
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        loss, count, grads, model_state = grads_fn(state.params, state.model_state, batch, key)
+        loss, count, grads, model_state, sums = grads_fn(state.params, state.model_state, batch, key)
         target = update_target(state.params, state.master)
         grads = jax.tree.map(lambda g, t: g.astype(t.dtype), grads, target)
         if grads_to is not None:
             grads = grads_to(grads)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count, **load_metrics(sums)}
         if nonfinite is None:
             return gathered(updated_state(state, grads, model_state)), metrics
         finite_grads = jax.tree.map(all_finite, grads)
