@@ -51,9 +51,10 @@ def test_gradient_strategies_share_one_signature_and_agree():
     plain = plain_grads(model, sk.next_token_loss, as_precision("fp32"))
     accumulated = accumulated_grads(plain, 4, p)
     with sk.use_sharding(p.mesh, p.rules):
-        loss_1, count_1, g_1, state_1 = jax.jit(plain)(params, None, batch, key)
-        loss_4, count_4, g_4, state_4 = jax.jit(accumulated)(params, None, batch, key)
+        loss_1, count_1, g_1, state_1, sums_1 = jax.jit(plain)(params, None, batch, key)
+        loss_4, count_4, g_4, state_4, sums_4 = jax.jit(accumulated)(params, None, batch, key)
     assert state_1 is None and state_4 is None  # a model without running statistics
+    assert sums_1 == sums_4 == {}  # nor a mixture of experts' load
     assert int(count_1) == int(count_4) == 16 * 32
     np.testing.assert_allclose(float(loss_4), float(loss_1), rtol=1e-5)
     assert_trees_close(g_4, g_1, rtol=1e-4, atol=1e-6)

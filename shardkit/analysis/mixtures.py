@@ -162,7 +162,7 @@ def _matmuls(jaxpr: Any, origin: dict[Any, int], count: int) -> Iterator[tuple[i
                     break
             continue
         for inner, mapping, times in _called_programs(eqn):
-            inner_origin = {inner.invars[j]: sources[i] for i, j in mapping if sources[i] is not None}
+            inner_origin = {inner.invars[j]: leaf for i, j in mapping if (leaf := sources[i]) is not None}
             if inner_origin:
                 yield from _matmuls(inner, inner_origin, count * times)
 
@@ -282,14 +282,6 @@ def parameter_leaves(model: Any) -> list[tuple[str, tuple[int, ...], tuple[Any, 
         (path_str(p), tuple(leaf.shape), tuple(ax.names) if ax.names else None)
         for (p, leaf), ax in zip(shapes, axes, strict=True)
     ]
-
-
-def expert_param_bytes(leaves: Sequence[tuple[str, tuple[int, ...], Any]], dtypes: Sequence[Any]) -> float:
-    """Bytes of the expert weights among ``leaves`` (their dtypes alongside)."""
-    experts = expert_weights(leaves)
-    return float(
-        sum(math.prod(leaves[i][1]) * np.dtype(dtypes[i]).itemsize for i in experts)  # type: ignore[misc]
-    )
 
 
 def top_k_in(closed_jaxpr: Any) -> int:

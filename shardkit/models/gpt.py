@@ -926,8 +926,8 @@ class Block(nnx.Module):
 
     def __call__(
         self, x: jax.Array, key: jax.Array | None, sliding: bool | jax.Array = False
-    ) -> tuple[jax.Array, jax.Array]:
-        """``(B, T, D) -> ((B, T, D), load-balancing loss of this layer; 0 for a dense MLP)``.
+    ) -> tuple[jax.Array, jax.Array | ExpertLoad]:
+        """``(B, T, D) -> ((B, T, D), 0 for a dense MLP, or the experts' ExpertLoad of this layer)``.
 
         ``sliding``: whether this layer's attention keeps to the sliding window (may be traced).
         """
@@ -955,7 +955,7 @@ class Block(nnx.Module):
 
     def residuals(
         self, x: jax.Array, key: jax.Array | None, attend: Callable[[jax.Array], jax.Array]
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, jax.Array | ExpertLoad]:
         """The layer around an attention ``attend`` of the normed input (the plain one, or a
         KV-cached one, :mod:`shardkit.models.kv_cache`): both residual branches and their norms."""
         k1, k2 = (None, None) if key is None else jax.random.split(key)
@@ -986,7 +986,7 @@ def _layer(
     remat: str,
     name: str = "layer",
     sliding: bool | jax.Array = False,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array | ExpertLoad]:
     with jax.named_scope(name):  # collectives in reports say which layer they come from
         if remat == "none":
             return block(x, key, sliding)
@@ -1101,7 +1101,7 @@ class GPT(nnx.Module):
             )
             def run(
                 x: jax.Array, block: Block, key: jax.Array | None, flag: jax.Array | None
-            ) -> tuple[jax.Array, jax.Array]:
+            ) -> tuple[jax.Array, jax.Array | ExpertLoad]:
                 return _layer(block, x, key, cfg.remat, sliding=kinds[0] if flag is None else flag)
 
             x, aux = run(x, self.blocks, keys, flags)  # (B, T, D), (layers,)
@@ -1179,7 +1179,9 @@ class GPT(nnx.Module):
             written = after_reads(x, written)
         return x, tuple(write_layer(old, new, positions[:, 0]) for old, new in zip(cache, written, strict=True))
 
-    def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    def __call__(
+        self, tokens: jax.Array, rngs: nnx.Rngs | None = None
+    ) -> jax.Array | tuple[jax.Array, jax.Array | ExpertLoad]:
         key = None if rngs is None else rngs.dropout()
         x, aux = self.layers_with_load(self.embed_inputs(tokens, key), key)
         logits = self.head(x)

@@ -40,10 +40,11 @@ from typing import Any
 
 import jax
 from jax._src import source_info_util
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import Jaxpr, Literal
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit.parallel.experts import top_k_by_rows
+from shardkit.parallel.input_gradients import bind_retraced, retraced_params
 
 # Operations that hand an operand's values on with its dimensions in the same order (a weight
 # keeps its expert dimension where it was).
@@ -53,7 +54,7 @@ _SAME_DIMS = frozenset(
 _MATMULS = frozenset({"dot_general", "ragged_dot_general"})
 _CASTS = frozenset({"convert_element_type", "copy", "copy_p"})
 # Inner programs re-traced with constraints inside (their operands map one to one to its inputs).
-_INNER = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
+_INNER = frozenset({"pjit", "jit", "closed_call", "remat2", "checkpoint"})
 
 
 def place_experts(
@@ -103,7 +104,7 @@ class _Placement:
 
     def constrain(self, x: jax.Array, dim: int, axis: str | None = "") -> jax.Array:
         """``x`` with dimension ``dim`` split over the experts' axis (or over ``axis``; None: whole)."""
-        spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
+        spec: list[Any] = [PartitionSpec.UNCONSTRAINED] * x.ndim
         spec[dim] = self.axis if axis == "" else axis
         self.placed += 1
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
@@ -136,8 +137,9 @@ class _Placement:
                 env[v] = x
             _follow(eqn, where)
             _follow(eqn, self.routed, elementwise=True)
-            if eqn.primitive.name in _CASTS and _get(self.grouped, eqn.invars[0]) is not None:
-                self.grouped[eqn.outvars[0]] = self.grouped[eqn.invars[0]]
+            cast_of = _get(self.grouped, eqn.invars[0]) if eqn.primitive.name in _CASTS else None
+            if cast_of is not None:
+                self.grouped[eqn.outvars[0]] = cast_of
         return [read(v) for v in jaxpr.outvars]
 
     def _equation(self, eqn: Any, args: list[Any], dims: list[int | None]) -> list[Any]:
@@ -166,7 +168,7 @@ class _Placement:
             if any(d is not None for d in [*inner_dims, *inner_specs]) or name == "scan":
                 rewritten = self._inner(eqn, params, inner_dims, inner_specs)
                 if rewritten is not None:
-                    return _bind(eqn, rewritten, args)
+                    return bind_retraced(eqn, rewritten, args)
         ans = eqn.primitive.bind(*args, **params)
         return list(ans) if eqn.primitive.multiple_results else [ans]
 
@@ -198,21 +200,12 @@ class _Placement:
     ) -> dict[str, Any] | None:
         """The equation's parameters with its inner program re-traced with constraints inside,
         or None where it places none."""
-        key = "jaxpr" if eqn.primitive.name == "scan" else _INNER[eqn.primitive.name]
-        program = params[key]
-        closed = program if isinstance(program, ClosedJaxpr) else ClosedJaxpr(program, ())
-        avals = [v.aval for v in closed.jaxpr.invars]
-        shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals]
         before, routed, grouped = self.placed, self.routed, self.grouped
-        traced = jax.make_jaxpr(lambda *xs: self.evaluate(closed.jaxpr, closed.consts, xs, dims, specs))(*shapes)
+        rewritten = retraced_params(
+            eqn, params, lambda jaxpr, consts, xs: self.evaluate(jaxpr, consts, xs, dims, specs)
+        )
         self.routed, self.grouped = routed, grouped
-        if self.placed == before:
-            return None
-        if isinstance(program, ClosedJaxpr):
-            return {**params, key: traced}
-        if traced.consts:  # an open inner program takes no constants: they become leading inputs
-            return {**params, key: traced, "_consts": traced.consts}
-        return {**params, key: traced.jaxpr}
+        return None if self.placed == before else rewritten
 
 
 def _follow(eqn: Any, where: dict[Any, int], elementwise: bool = False) -> None:
@@ -273,15 +266,3 @@ def _scan_dims(eqn: Any, dims: list[Any]) -> list[Any]:
         else:
             out.append(PartitionSpec(*tuple(d)[1:]))
     return out
-
-
-def _bind(eqn: Any, params: dict[str, Any], args: list[Any]) -> list[Any]:
-    consts = params.pop("_consts", None)
-    if consts is not None:
-        from jax._src.interpreters import partial_eval as pe
-
-        key = _INNER[eqn.primitive.name]
-        params[key] = pe.convert_constvars_jaxpr(params[key].jaxpr)
-        args = [*consts, *args]
-    ans = eqn.primitive.bind(*args, **params)
-    return list(ans) if eqn.primitive.multiple_results else [ans]

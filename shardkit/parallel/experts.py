@@ -113,7 +113,7 @@ def route_tokens(
     """
     g, s, e = logits.shape
     if score not in ("softmax", "sigmoid"):
-        raise ValueError(f"score={score!r}: choose 'softmax' or 'sigmoid'.")
+        raise InputError(f"route_tokens: score={score!r}; choose 'softmax' or 'sigmoid'.")
     logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)  # (G, S, E)
     chooser = probs if bias is None else probs + jax.lax.stop_gradient(bias.astype(jnp.float32))
@@ -322,7 +322,7 @@ class MoE(nnx.Module):
             return tokens_per_group
         return max(1, math.ceil(self.capacity_factor * tokens_per_group * self.top_k / self.n_experts))
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, ExpertLoad]:
         y, routing = moe_layer(
             x,
             self.router[...],

@@ -379,7 +379,7 @@ def _evaluate(jaxpr: Jaxpr, plan: _Plan, consts: Sequence[Any], args: Sequence[A
                 if i in plan.inner:
                     params = _rewritten_params(eqn, params, plan.inner[i])
                     args_in = [read(v) for v in eqn.invars]
-                    outs = _bind_rewritten(eqn, params, args_in)
+                    outs = bind_retraced(eqn, params, args_in)
                 else:
                     ans = eqn.primitive.bind(*[read(v) for v in eqn.invars], **params)
                     outs = ans if eqn.primitive.multiple_results else [ans]
@@ -390,12 +390,21 @@ def _evaluate(jaxpr: Jaxpr, plan: _Plan, consts: Sequence[Any], args: Sequence[A
 
 def _rewritten_params(eqn: JaxprEqn, params: dict[str, Any], inner: _Plan) -> dict[str, Any]:
     """The equation's parameters with its inner program re-traced through :func:`_evaluate`."""
+    return retraced_params(eqn, params, lambda jaxpr, consts, xs: _evaluate(jaxpr, inner, consts, xs))
+
+
+def retraced_params(
+    eqn: JaxprEqn, params: dict[str, Any], evaluate: Callable[[Jaxpr, Sequence[Any], Sequence[Any]], list[Any]]
+) -> dict[str, Any]:
+    """The parameters of a call-like or scan equation with its inner program re-traced by
+    ``evaluate(jaxpr, consts, args)`` (an interpreter that rewrites as it goes); bind them with
+    :func:`bind_retraced`."""
     key = "jaxpr" if eqn.primitive.name == "scan" else _INNER[eqn.primitive.name]
     program = params[key]
     closed = program if isinstance(program, ClosedJaxpr) else ClosedJaxpr(program, ())
     avals = [v.aval for v in closed.jaxpr.invars]
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals]
-    traced = jax.make_jaxpr(lambda *xs: _evaluate(closed.jaxpr, inner, closed.consts, xs))(*specs)
+    traced = jax.make_jaxpr(lambda *xs: evaluate(closed.jaxpr, closed.consts, xs))(*specs)
     if isinstance(program, ClosedJaxpr):
         return {**params, key: traced}
     if traced.consts:  # an open inner program takes no constants: they become leading inputs
@@ -403,7 +412,8 @@ def _rewritten_params(eqn: JaxprEqn, params: dict[str, Any], inner: _Plan) -> di
     return {**params, key: traced.jaxpr}
 
 
-def _bind_rewritten(eqn: JaxprEqn, params: dict[str, Any], args: list[Any]) -> list[Any]:
+def bind_retraced(eqn: JaxprEqn, params: dict[str, Any], args: list[Any]) -> list[Any]:
+    """Bind ``eqn``'s primitive with :func:`retraced_params`' parameters to ``args``."""
     consts = params.pop("_consts", None)
     if consts is not None:
         from jax._src.interpreters import partial_eval as pe
