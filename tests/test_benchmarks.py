@@ -282,3 +282,24 @@ def test_generate_benchmark_small(tmp_path):
     cache = result["llama_3_1_8b_cache"]  # 32 layers x 8 kv heads x 128 x 2 (k, v) x bf16 per position
     assert cache["one device"] == 32 * 8 * 128 * 2 * 2 * 8192 == 8 * cache["tensor=8"]
     assert "decode ms/token" in out
+
+
+@pytest.mark.slow
+def test_experts_benchmark_small(tmp_path):
+    out = run(
+        sys.executable,
+        "benchmarks/experts.py",
+        "--model",
+        "user_moe",
+        "--layout",
+        "data=2,expert=4",
+        "--layout",
+        "data=8",
+        "--json",
+        str(tmp_path / "e.json"),
+    )
+    rows = {r["layout"]: r for r in json.loads((tmp_path / "e.json").read_text())["rows"]}
+    placed, alone = rows["data=2,expert=4"]["after"], rows["data=2,expert=4"]["before"]
+    assert placed["bytes_ratio"] <= 1.02 < alone["bytes_ratio"] and placed["bound_expert_mb"] > 0
+    assert placed["state_mb"] < rows["data=8"]["after"]["state_mb"] / 2  # the experts split four ways
+    assert "largest named" in out
