@@ -145,9 +145,10 @@ def test_the_gpt_moves_its_bound_under_an_expert_layout():
     assert r.ratios["bytes"] == pytest.approx(1.0, abs=0.02), r.table()
 
 
+@pytest.mark.parametrize("layout", [EXPERT_LAYOUT, "data=2,fsdp=2,expert=2"])
 @pytest.mark.parametrize("name", MOE_ZOO)
-def test_a_users_mixture_moves_tokens_to_its_experts_not_weights_to_its_tokens(name):
-    r = report(name, EXPERT_LAYOUT)
+def test_a_users_mixture_moves_tokens_to_its_experts_not_weights_to_its_tokens(name, layout):
+    r = report(name, layout)
     weights = 4 * 64 * 256 * 4  # a layer's stacked expert matrix (4 experts): never gathered over expert
     assert not [
         c for c in r.collectives if "expert" in c.axes and c.kind == "all-gather" and c.payload_bytes >= weights

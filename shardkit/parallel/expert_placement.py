@@ -14,6 +14,8 @@ and of its output to the ``expert`` axis, every other dimension left to the part
   dimension): the buffers go to their experts with an all-to-all and come back with one;
 - a dense mixture (``(B, T, D) x (E, D, F) -> (B, T, E, F)``): each expert group gathers its
   rows and reduce-scatters the gated sum, the bytes such a mixture needs;
+- an expert weight split over a row axis (``fsdp``) is gathered for its matmuls, as ZeRO-3
+  does, where XLA would reduce a grouped matmul's or a dense mixture's output over that axis;
 - ``jax.lax.top_k`` (XLA's TopK custom call, which the partitioner runs on whole rows) is
   computed by a stable sort that stays split by rows (:func:`top_k_by_rows`): the same values
   and indices.
@@ -72,10 +74,10 @@ def place_experts(
         leaves in tree order: which of their dimensions indexes the experts.
       mesh: the mesh the step runs on.
       axis: the mesh axis the experts are split over.
-      grouped_specs: ``{leaf index: spec}``: how a grouped matmul (``jax.lax.ragged_dot``) reads
-        each expert weight: its stored split without the axes that split the rows. XLA's
-        partitioner reduces a grouped matmul's output over a row axis that splits its weight
-        (ZeRO-3 turned into tensor parallelism) where a plain matmul's weight is gathered.
+      grouped_specs: ``{leaf index: spec}``: how a matmul reads each expert weight: its stored
+        split without the axes that split the rows (ZeRO-3's gather). Left alone, XLA's
+        partitioner reduces a grouped matmul's (``jax.lax.ragged_dot``) or a dense mixture's
+        output over a row axis that splits the weight (ZeRO-3 turned into tensor parallelism).
 
     Returns:
       A function of the same arguments and results.
@@ -145,6 +147,8 @@ class _Placement:
     def _equation(self, eqn: Any, args: list[Any], dims: list[int | None]) -> list[Any]:
         name = eqn.primitive.name
         params = eqn.primitive.get_bind_params(eqn.params)
+        if name in _MATMULS:  # an expert weight read as its matmuls read it: gathered from the row axes
+            args = [self._gathered(x, v) if i < 2 else x for i, (x, v) in enumerate(zip(args, eqn.invars, strict=True))]
         if name == "dot_general" and (dims[0] is not None) != (dims[1] is not None):
             return [self._dot(eqn, args, dims)]
         if name == "dot_general":
@@ -154,10 +158,6 @@ class _Placement:
                 x if _get(self.routed, v) is None else self.constrain(x, self.routed[v], None)
                 for x, v in zip(args, eqn.invars, strict=True)
             ]
-        if name == "ragged_dot_general" and _get(self.grouped, eqn.invars[1]) is not None:
-            self.placed += 1
-            weight = NamedSharding(self.mesh, self.grouped[eqn.invars[1]])
-            args = [args[0], jax.lax.with_sharding_constraint(args[1], weight), *args[2:]]
         if name == "top_k":
             values, indices = top_k_by_rows(args[0], int(eqn.params["k"]))
             return [values, indices.astype(eqn.outvars[1].aval.dtype)]
@@ -171,6 +171,13 @@ class _Placement:
                     return bind_retraced(eqn, rewritten, args)
         ans = eqn.primitive.bind(*args, **params)
         return list(ans) if eqn.primitive.multiple_results else [ans]
+
+    def _gathered(self, x: jax.Array, v: Any) -> jax.Array:
+        spec = _get(self.grouped, v)
+        if spec is None:
+            return x
+        self.placed += 1
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def _dot(self, eqn: Any, args: list[Any], dims: list[int | None]) -> jax.Array:
         """A matmul of tokens with an expert weight, its expert dimension kept on the axis."""
