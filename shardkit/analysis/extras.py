@@ -102,8 +102,8 @@ def term_of(c: CollectiveStat) -> str:
         return "stage" if axes == {"stage"} else ""
     if c.kind == "all-reduce" and axes == {"tensor"}:
         return "tensor"
-    if (axes == {"expert"} and c.kind in ("all-to-all", "all-gather")) or (
-        axes == {"expert"} and c.kind == "reduce-scatter" and c.direction == "forward"
+    if axes == {"expert"} and (
+        c.kind in ("all-to-all", "all-gather") or (c.kind == "reduce-scatter" and c.direction == "forward")
     ):
         return "expert"  # tokens to their experts and back (a dense mixture: rows gathered, sums scattered)
     if axes <= ROW_AXES and c.kind in ("reduce-scatter", "all-reduce") and c.direction == "backward":
@@ -285,7 +285,7 @@ def _explain_expert(c: CollectiveStat) -> tuple[str, str]:
             "the tokens (ZeRO-3 over the experts) where expert parallelism moves the tokens.",
             FIX_EXPERTS,
         )
-    primitive = c.op.split(" (")[0].rsplit("/", 1)[-1]
+    primitive = _op_key(c)[1]
     if c.kind == "all-reduce" and primitive == "dot_general" and set(c.axes) == {"expert"}:
         return (
             "an experts' matmul XLA could not split by experts (a grouped jax.lax.ragged_dot, a loop over "

@@ -274,9 +274,11 @@ def dispatch_bytes(routed_bytes: float, expert_axis: int) -> float:
     return 4 * moved_bytes("all-to-all", routed_bytes, expert_axis)
 
 
-def parameter_leaves(model: Any) -> list[tuple[str, tuple[int, ...], tuple[Any, ...] | None]]:
-    """``(path, shape, logical names)`` of a shardkit model's parameter leaves, in tree order."""
-    shapes = jax.tree_util.tree_flatten_with_path(model.abstract_params())[0]
+def parameter_leaves(model: Any, abstract: Any = None) -> list[tuple[str, tuple[int, ...], tuple[Any, ...] | None]]:
+    """``(path, shape, logical names)`` of a shardkit model's parameter leaves, in tree order
+    (``abstract``: its parameters' shapes, where the caller has them already)."""
+    abstract = model.abstract_params() if abstract is None else abstract
+    shapes = jax.tree_util.tree_flatten_with_path(abstract)[0]
     axes = jax.tree.leaves(model.axes, is_leaf=lambda x: isinstance(x, Axes))
     return [
         (path_str(p), tuple(leaf.shape), tuple(ax.names) if ax.names else None)
@@ -301,16 +303,18 @@ def top_k_in(closed_jaxpr: Any) -> int:
     return max(walk(closed_jaxpr.jaxpr), default=0)
 
 
-def traced_forward(model: Any, loss: Any, batch: Any) -> Any:
+def traced_forward(model: Any, loss: Any, batch: Any, abstract: Any = None) -> Any:
     """The forward loss of ``model`` on abstract ``batch`` as a closed jaxpr whose first inputs
-    are the parameters' leaves (nothing is computed or allocated)."""
+    are the parameters' leaves (nothing is computed or allocated; ``abstract``: the parameters'
+    shapes, where the caller has them)."""
     shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
 
     def forward_loss(params: Any, rows: Any, state: Any) -> Any:
         return loss(lambda inputs: load_apart(apply_model(model, params, state, inputs, jax.random.key(0))[0])[0], rows)
 
     rows = jax.tree.map(shape, dict(batch))
-    return jax.make_jaxpr(forward_loss)(model.abstract_params(), rows, model.abstract_model_state())
+    abstract = model.abstract_params() if abstract is None else abstract
+    return jax.make_jaxpr(forward_loss)(abstract, rows, model.abstract_model_state())
 
 
 def bound_terms(
@@ -329,12 +333,13 @@ def bound_terms(
       ``expert_param_bytes``, ``expert_whole_over_tensor_bytes`` and ``expert_bytes`` (the
       dispatch and combine, traced only where the layout has an ``expert`` axis).
     """
-    leaves = parameter_leaves(model)
+    abstract = model.abstract_params()
+    leaves = parameter_leaves(model, abstract)
     experts = expert_weights(leaves)
     out = {"expert_param_bytes": 0.0, "expert_whole_over_tensor_bytes": 0.0, "expert_bytes": 0.0}
     if not experts:
         return out
-    params = jax.tree.leaves(model.abstract_params())
+    params = jax.tree.leaves(abstract)
     specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     for i in experts:
         size = params[i].size * np.dtype(params[i].dtype).itemsize
@@ -344,7 +349,7 @@ def bound_terms(
             out["expert_whole_over_tensor_bytes"] += size
     e = layout_shape.get("expert", 1)
     if e > 1:
-        traced = traced_forward(model, loss, batch)
+        traced = traced_forward(model, loss, batch, abstract)
         rows_split = layout_shape.get("data", 1) * layout_shape.get("fsdp", 1) * e
         # A dropless dispatch pads each expert to every token of its group; its bound is what it routes.
         top_k = int(model.info.get("top_k", 0)) or top_k_in(traced) if model.info.get("moe_dropless") else 0

@@ -144,20 +144,19 @@ def accumulated_grads(grads_fn: GradsFn, microbatches: int, plan: ShardingPlan) 
         zeros = plan.constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), shardings)
         weighted = counts_differ(batch)
 
-        def body(carry: tuple[Any, ...], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, ...], None]:
-            grad_sum, loss_sum, count_sum, state, sums = carry
+        def body(carry: tuple[Any, ...], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, ...], Any]:
+            grad_sum, loss_sum, count_sum, state = carry
             mb, i = xs
             # Running statistics are updated microbatch after microbatch, as K forward passes would.
-            value, count, g, state, more = grads_fn(params, state, mb, jax.random.fold_in(key, i))
+            value, count, g, state, sums = grads_fn(params, state, mb, jax.random.fold_in(key, i))
             w = count.astype(jnp.float32) if weighted else 1.0
             grad_sum = plan.constrain(jax.tree.map(lambda a, b: a + w * b.astype(jnp.float32), grad_sum, g), shardings)
-            return (grad_sum, loss_sum + w * value, count_sum + count, state, _added(sums, more)), None
+            return (grad_sum, loss_sum + w * value, count_sum + count, state), sums
 
-        sums = _zero_sums(grads_fn, params, model_state, jax.tree.map(lambda x: x[0], micro), key)
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), scored_dtype(batch)), model_state, sums)
-        (grad_sum, loss_sum, count, state, sums), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), scored_dtype(batch)), model_state)
+        (grad_sum, loss_sum, count, state), sums = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
         total = jnp.maximum(count.astype(jnp.float32), 1.0) if weighted else microbatches
-        return loss_sum / total, count, jax.tree.map(lambda g: g / total, grad_sum), state, sums
+        return loss_sum / total, count, jax.tree.map(lambda g: g / total, grad_sum), state, _summed(sums)
 
     return grads
 
@@ -217,7 +216,7 @@ def once_reduced_grads(
                 plan.grad_specs,
                 is_leaf=lambda x: isinstance(x, PartitionSpec),
             )
-        return value, count.sum(), reduced, None, jax.tree.map(lambda x: x.sum(0), sums)
+        return value, count.sum(), reduced, None, _summed(sums)
 
     def grads(params: Params, model_state: Any, batch: Batch, key: jax.Array) -> GradsOut:
         if microbatches == 1:
@@ -233,12 +232,11 @@ def once_reduced_grads(
         zeros = plan.constrain(jax.tree.map(lambda p: jnp.zeros((n, *p.shape), jnp.float32), params), sums_at)
         weighted = counts_differ(batch)
 
-        def body(carry: tuple[Any, ...], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, ...], None]:
-            grad_sum, loss_sum, count_sum, sums = carry
+        def body(carry: tuple[Any, Any, Any], xs: tuple[Batch, jax.Array]) -> tuple[tuple[Any, Any, Any], Any]:
+            grad_sum, loss_sum, count_sum = carry
             mb, i = xs
             with axes_taken(axes):
-                value, count, g, _, more = per_device(params, None, mb, jax.random.fold_in(key, i))
-            sums = _added(sums, jax.tree.map(lambda x: x.sum(0), more))
+                value, count, g, _, sums = per_device(params, None, mb, jax.random.fold_in(key, i))
             if weighted:  # each device block's mean weighs what it scored: (n,) weights
                 w = count.astype(jnp.float32)
                 scale = lambda b: w.reshape(n, *([1] * (b.ndim - 1))) * b.astype(jnp.float32)
@@ -247,12 +245,10 @@ def once_reduced_grads(
             else:
                 grad_sum = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_sum, g)
                 loss_sum = loss_sum + value.mean()
-            return (plan.constrain(grad_sum, sums_at), loss_sum, count_sum + count.sum(), sums), None
+            return (plan.constrain(grad_sum, sums_at), loss_sum, count_sum + count.sum()), _summed(sums)
 
-        with axes_taken(axes):  # one device's block, as the loop's body sees it
-            sums = _zero_sums(grads_fn, params, None, jax.tree.map(lambda x: x[0, 0], micro), key)
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), scored_dtype(batch)), sums)
-        (grad_sum, loss_sum, count, sums), _ = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), scored_dtype(batch)))
+        (grad_sum, loss_sum, count), sums = jax.lax.scan(body, init, (micro, jnp.arange(microbatches)))
         total = jnp.maximum(count.astype(jnp.float32), 1.0) if weighted else microbatches * n
         with jax.named_scope(GRADIENT_REDUCTION_SCOPE):  # the report counts it as backward traffic
             reduced = jax.tree.map(
@@ -262,19 +258,14 @@ def once_reduced_grads(
                 is_leaf=lambda x: isinstance(x, PartitionSpec),
             )
         loss = loss_sum / total if weighted else loss_sum / microbatches
-        return loss, count, reduced, model_state, sums  # choose() keeps models with state away
+        return loss, count, reduced, model_state, _summed(sums)  # choose() keeps models with state away
 
     return grads
 
 
-def _zero_sums(grads_fn: GradsFn, params: Params, model_state: Any, batch: Batch, key: jax.Array) -> Any:
-    """Zeros shaped as the sums ``grads_fn`` reports on one (micro)batch (traced, not computed)."""
-    shapes = jax.eval_shape(grads_fn, params, model_state, batch, key)[4]
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-def _added(a: Any, b: Any) -> Any:
-    return jax.tree.map(lambda x, y: x + y, a, b)
+def _summed(stacked: Any) -> Any:
+    """Sums reported per microbatch or per device block (stacked on a leading axis), added up."""
+    return jax.tree.map(lambda x: x.sum(0), stacked)
 
 
 def _each_device_by_shard_map(grads_fn: GradsFn, plan: ShardingPlan, axes: tuple[str, ...]) -> GradsFn:

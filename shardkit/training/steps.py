@@ -29,7 +29,7 @@ from shardkit.analysis.mixtures import expert_dims, parameter_leaves
 from shardkit.analysis.report_data import GRADIENT_REDUCTION_SCOPE
 from shardkit.core.errors import LayoutError, PipelineError, ShardkitError
 from shardkit.core.mesh import Layout
-from shardkit.core.partition import path_str
+from shardkit.core.partition import path_str, without_axes
 from shardkit.core.precision import Precision
 from shardkit.core.rules import entry_axes
 from shardkit.core.sharding import ShardingPlan
@@ -453,23 +453,17 @@ def experts_placed(model: Model, plan: ShardingPlan) -> Model:
     (:mod:`shardkit.parallel.expert_placement`); ``model`` itself where neither applies (no
     experts, or no axis that splits them)."""
     specs = jax.tree.leaves(plan.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    rows = set(dict(plan.rules.rules).get("batch", ())) - {"expert"}
+    rows = [a for a in dict(plan.rules.rules).get("batch", ()) if a != "expert"]
     dims, grouped = {}, {}
-    for i, d in expert_dims(parameter_leaves(model)).items():
+    for i, d in expert_dims(parameter_leaves(model, plan.abstract_params)).items():
         entries = tuple(specs[i])
         if d < len(entries) and "expert" in entry_axes(entries[d]) and plan.layout.size("expert") > 1:
             dims[i] = d
-        compute = tuple(_without(e, rows) for e in entries)
-        if compute != entries:
-            grouped[i] = PartitionSpec(*compute)
+        compute = without_axes(specs[i], rows)
+        if tuple(compute) != entries:
+            grouped[i] = compute
     if not dims and not grouped:
         return model
     place = lambda fn: place_experts(fn, dims, plan.mesh, grouped_specs=grouped)
     state_apply = None if model.state_apply is None else place(model.state_apply)
     return dataclasses.replace(model, apply=place(model.apply), state_apply=state_apply)
-
-
-def _without(entry: Any, axes: set[str]) -> Any:
-    """A spec entry without ``axes`` (None when nothing is left)."""
-    kept = tuple(a for a in entry_axes(entry) if a not in axes)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
