@@ -58,7 +58,9 @@ def test_ring_attention_passes_keys_around_the_sequence_ring():
 
 
 def test_attention_memory_per_device_falls_with_the_ring():
-    q, k, v = qkv(b=1, t=1024, h=4, n=4, d=16)
+    # Each ring step runs the blocked kernel: one tile of scores, whatever the sequence, so what
+    # falls with the ring is the part that grows with the tokens each device holds.
+    q, k, v = qkv(b=1, t=4096, h=4, n=4, d=16)
 
     def temp(layout):
         mesh = sk.Layout.parse(layout).make_mesh(jax.devices()[: sk.Layout.parse(layout).num_devices])
@@ -69,9 +71,10 @@ def test_attention_memory_per_device_falls_with_the_ring():
         grad = jax.jit(jax.grad(lambda q, k, v: attn(q, k, v).sum(), argnums=(0, 1, 2)))
         return grad.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
 
-    one, four, eight = temp("sequence=1"), temp("sequence=4"), temp("sequence=8")
-    assert four < one / 4 * 1.25
-    assert eight < four / 2 * 1.25
+    whole, two, four, eight = temp("sequence=1"), temp("sequence=2"), temp("sequence=4"), temp("sequence=8")
+    assert four < two * 0.8
+    assert eight < four * 0.8
+    assert two < whole / 100, "no device forms a quadratic score matrix"
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ from shardkit.models.model import Model
 from shardkit.models.nnx_adapter import from_nnx
 from shardkit.models.rope import RopeScaling, angles, inverse_frequencies
 from shardkit.models.segments import current_segments, positions_in_rows, same_document
+from shardkit.parallel.attention import BLOCKED_FROM, attention
 from shardkit.parallel.experts import ExpertLoad, MoE
 from shardkit.parallel.ring_attention import ring_attention
 
@@ -67,6 +68,8 @@ REMAT_POLICIES: dict[str, Any] = {
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
+
+ATTENTION_CHOICES = (None, "blocked", "xla", "cudnn")
 
 MLP_ACTIVATIONS: dict[str, Any] = {
     "silu": jax.nn.silu,
@@ -118,7 +121,10 @@ class GPTConfig:
     # parameters still stacked (pipelines, checkpoints); compile time grows with it.
     scan_unroll: int | bool = 1
     remat: str = "none"  # per-layer rematerialisation: see REMAT_POLICIES
-    attention: str | None = None  # jax.nn.dot_product_attention implementation: None (auto), "xla", "cudnn"
+    # Training attention: None (auto: cuDNN where it serves the mask on GPUs, else the blocked kernel;
+    # on other backends blocked from BLOCKED_FROM tokens), "blocked" (shardkit.parallel.attention),
+    # "xla" (the whole score matrix), "cudnn" (jax.nn.dot_product_attention's).
+    attention: str | None = None
     n_experts: int = 0  # > 0: every MLP is a mixture of this many experts (shardkit.parallel.experts)
     top_k: int = 2
     capacity_factor: float = 1.25
@@ -142,6 +148,10 @@ class GPTConfig:
         if self.attn_head_dim is not None and (self.attn_head_dim < 2 or self.attn_head_dim % 2):
             raise ModelError(f"GPTConfig: attn_head_dim={self.attn_head_dim} must be an even number >= 2 (rotary).")
         self._check_families()
+        if self.attention not in ATTENTION_CHOICES:
+            raise ModelError(
+                f"GPTConfig: attention={self.attention!r}; choose one of {', '.join(map(repr, ATTENTION_CHOICES))}."
+            )
         if self.n_heads % self.n_kv_heads:
             raise ModelError(
                 f"GPTConfig: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
@@ -747,6 +757,41 @@ class Attention(nnx.Module):
         _adapters(self, cfg, rngs, "o_proj", ((cfg.n_heads, k), ("heads", "kv")), embed)
         self.cfg = cfg
 
+    def blocked(self, t: int) -> bool:
+        """Whether this config's attention over ``t`` tokens runs the blocked kernel
+        (:mod:`shardkit.parallel.attention`) rather than the whole score matrix: as
+        ``cfg.attention`` says; by default from :data:`BLOCKED_FROM` tokens off GPUs (on GPUs,
+        wherever cuDNN does not serve the mask: see :meth:`__call__`)."""
+        if self.cfg.attention is not None:
+            return self.cfg.attention == "blocked"
+        on_gpu = jax.default_backend() == "gpu"
+        return (on_gpu and (self.explicit(t) or current_segments() is not None)) or (not on_gpu and t >= BLOCKED_FROM)
+
+    def window(self, sliding: bool | jax.Array, t: int) -> int | jax.Array | None:
+        """This layer's window over ``t`` tokens for :func:`attention` (None: none; traced where
+        ``sliding`` is: ``t`` keys, which hide nothing, when the layer is not sliding)."""
+        w = self.cfg.sliding_window
+        if w is None or w >= t or sliding is False:
+            return None
+        return w if sliding is True else jnp.where(sliding, w, t)
+
+    def blocked_attention(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, sliding: bool | jax.Array, documents: jax.Array | None
+    ) -> jax.Array:
+        """The blocked kernel with this config's scale, soft cap and window: ``(B, T, H, K)``."""
+        cfg = self.cfg
+        window = self.window(sliding, q.shape[1])
+        return attention(
+            q,
+            k,
+            v,
+            window=window,
+            softcap=cfg.attn_softcap,
+            scale=cfg.query_scale,
+            segments=documents,
+            implementation="blocked",
+        )
+
     def explicit(self, t: int) -> bool:
         """Whether this config needs :func:`explicit_attention` at sequence length ``t``."""
         cfg = self.cfg
@@ -812,7 +857,9 @@ class Attention(nnx.Module):
         q = layer_rotary(q, self.cfg, sliding, positions)  # (B, S, H, K)
         k = layer_rotary(k, self.cfg, sliding, positions)  # (B, S, N, K)
         with jax.named_scope("attention"):
-            if fresh and not self.explicit(x.shape[1]):  # the training path's attention: rows start at 0
+            if fresh and self.blocked(x.shape[1]):  # a long prompt: linear memory, hidden blocks skipped
+                out = self.blocked_attention(q, k, v, sliding, None)
+            elif fresh and not self.explicit(x.shape[1]):  # the training path's attention: rows start at 0
                 out = causal_attention_in_blocks(q, k, v)
             elif fresh:
 
@@ -825,38 +872,54 @@ class Attention(nnx.Module):
         return self.output(out), (k, v)  # out: (B, S, H, K)
 
     def __call__(self, x: jax.Array, sliding: bool | jax.Array = False) -> jax.Array:
-        t = x.shape[1]
         q, k, v = self.project(x)
         documents = current_segments()  # packed rows: attention within a document, positions from its start
         positions = None if documents is None else positions_in_rows(documents)
         q = constrain(layer_rotary(q, self.cfg, sliding, positions), ("batch", "seq", "heads", "kv"))
         k = constrain(layer_rotary(k, self.cfg, sliding, positions), ("batch", "seq", "kv_heads", "kv"))
         with jax.named_scope("attention"):
-            context = current_rules()
-            ring = context is not None and dict(context[0].shape).get("sequence", 1) > 1
-            explicit = self.explicit(t)
-            if ring and (explicit or documents is not None):
-                raise ModelError(
-                    "Ring attention (a sequence axis > 1) computes plain causal attention; this model's "
-                    "sliding window, soft cap or query scale, or packed rows (batch['segments']), need a "
-                    "layout without the sequence axis."
-                )
-            if explicit:
-                out = explicit_attention(q, k, v, self.cfg, sliding, documents=documents)  # (B, T, H, K)
-            elif documents is not None:
-                mask = same_document(documents, documents)[:, None]  # (B, 1, T, T), causal on top
-                out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
-            elif context is not None and ring:
-                out = ring_attention(q, k, v, *context)  # (B, T, H, K), the sequence split over devices
-            else:
-                out = jax.nn.dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    is_causal=True,
-                    implementation=self.cfg.attention,  # type: ignore[arg-type]  # checked in GPTConfig
-                )  # (B, T, H, K)
+            out = self.attend(q, k, v, sliding, documents)  # (B, T, H, K)
         return self.output(out)
+
+    def attend(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, sliding: bool | jax.Array, documents: jax.Array | None
+    ) -> jax.Array:
+        """Training attention of queries ``(B, T, H, K)`` against keys and values ``(B, T, N, K)``
+        by the path that serves this config, mask and backend (see ``GPTConfig.attention``)."""
+        cfg, t = self.cfg, q.shape[1]
+        context = current_rules()
+        if context is not None and dict(context[0].shape).get("sequence", 1) > 1:
+            return ring_attention(
+                q,
+                k,
+                v,
+                *context,
+                window=self.window(sliding, t),
+                softcap=cfg.attn_softcap,
+                scale=cfg.query_scale,
+                segments=documents,
+            )  # the sequence split over devices, each step the blocked kernel
+        if self.blocked(t):
+            return self.blocked_attention(q, k, v, sliding, documents)
+        if self.explicit(t):
+            return explicit_attention(q, k, v, cfg, sliding, documents=documents)
+        if documents is not None:
+            mask = same_document(documents, documents)[:, None]  # (B, 1, T, T), causal on top
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+        if cfg.attention is None and jax.default_backend() == "gpu":
+            return _cudnn_attention(q, k, v) or self.blocked_attention(q, k, v, sliding, None)
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation=cfg.attention  # type: ignore[arg-type]  # checked in GPTConfig
+        )
+
+
+def _cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array | None:
+    """cuDNN's fused causal attention, or None where it does not serve these shapes, this dtype
+    (it takes 16-bit floats) or this GPU."""
+    try:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    except (ValueError, NotImplementedError, RuntimeError, TypeError):
+        return None
 
 
 class SwiGLU(nnx.Module):

@@ -176,25 +176,148 @@ def attention_with_lse(
     win = None if window is None else jnp.asarray(window, jnp.int32)
     if implementation == "materialized":
         return _materialized(q, k, v, causal, win, softcap, scale, sinks, segments, kv_segments, *positions)
+    mask, tiles = _tiled(
+        q, k, v, causal, win, softcap, scale, sinks, segments, kv_segments, positions, block_q, block_k
+    )
+    return _untiled(*_blocked(mask, *tiles), q.shape, v.shape[-1])
+
+
+def blocked_forward(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, q_offset: jax.Array, k_offset: jax.Array, **masks: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The blocked kernel's forward pass alone, not differentiable: ``(out (B, T, H, Kv), lse
+    (B, T, H))`` of :func:`attention_with_lse` for a caller that writes its own backward (ring
+    attention, which keeps no residual per step).
+
+    Args:
+      q, k, v: as :func:`attention`.
+      q_offset, k_offset: the first query's and key's positions.
+      masks: ``causal``, ``window``, ``softcap``, ``scale`` (a float), ``segments``,
+        ``kv_segments``, ``block_q``, ``block_k`` as :func:`attention` takes them (no sinks).
+
+    Returns:
+      the output and the log-sum-exp.
+    """
+    mask, tiles = _tiled_from(q, k, v, q_offset, k_offset, masks)
+    return _untiled(*_blocked_forward(mask, *tiles), q.shape, v.shape[-1])
+
+
+def blocked_backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    d_lse: jax.Array,
+    *,
+    q_offset: jax.Array,
+    k_offset: jax.Array,
+    **masks: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The gradients of ``q``, ``k`` and ``v`` for the keys ``k`` alone, given the output and
+    log-sum-exp over *all* the keys the queries see (flash attention's backward with a global
+    log-sum-exp: ring attention's step).
+
+    Args:
+      q, k, v, q_offset, k_offset, masks: as :func:`blocked_forward`.
+      out: ``(B, T, H, Kv)``, lse: ``(B, T, H)``: the attention over every key block.
+      d_out, d_lse: their cotangents.
+
+    Returns:
+      ``(dq, dk, dv)`` in the shapes and dtypes of ``q``, ``k``, ``v``.
+    """
+    mask, (qg, kp, vp, _, segs, positions, win) = _tiled_from(q, k, v, q_offset, k_offset, masks)
+    b, t, h, _ = q.shape
+    n, g, bq = k.shape[2], h // k.shape[2], mask.block_q
+    grouped = lambda x: _padded(x.reshape(b, t, n, g, x.shape[-1]), bq)  # (B, Tp, N, G, .)
+    per_head = lambda x, fill: _padded(x.transpose(0, 2, 1).reshape(b, n, g, t), bq, fill, axis=3)  # (B, N, G, Tp)
+    d_q, d_k, d_v, _ = _blocked_backward(
+        mask,
+        qg,
+        kp,
+        vp,
+        None,
+        segs,
+        positions,
+        win,
+        grouped(out),
+        per_head(lse, -jnp.inf),
+        grouped(d_out),
+        per_head(d_lse, 0.0),
+    )
+    return d_q[:, :t].reshape(q.shape), d_k[:, : k.shape[1]], d_v[:, : k.shape[1]]
+
+
+def _tiled_from(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_offset: Any, k_offset: Any, masks: dict[str, Any]
+) -> tuple[_Mask, tuple[Any, ...]]:
+    """:func:`_tiled` for :func:`blocked_forward`'s and :func:`blocked_backward`'s keywords."""
+    segments = masks.get("segments")
+    window = masks.get("window")
+    return _tiled(
+        q,
+        k,
+        v,
+        masks.get("causal", True),
+        None if window is None else jnp.asarray(window, jnp.int32),
+        masks.get("softcap"),
+        masks.get("scale") or q.shape[-1] ** -0.5,
+        None,
+        segments,
+        masks.get("kv_segments", segments),
+        (jnp.asarray(q_offset, jnp.int32), jnp.asarray(k_offset, jnp.int32)),
+        masks.get("block_q", 128),
+        masks.get("block_k", 128),
+    )
+
+
+def _tiled(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    causal: bool,
+    window: jax.Array | None,
+    softcap: float | None,
+    scale: float,
+    sinks: jax.Array | None,
+    segments: jax.Array | None,
+    kv_segments: jax.Array | None,
+    positions: tuple[jax.Array, jax.Array],
+    block_q: int,
+    block_k: int,
+) -> tuple[_Mask, tuple[Any, ...]]:
+    """The kernel's static mask and its operands: queries grouped by kv head ``(B, Tp, N, G, K)``,
+    keys and values ``(B, Sp, N, .)``, each padded to whole blocks; sinks ``(N, G)``; segments
+    padded with documents no real token has."""
     bq, bk = min(block_q, q.shape[1]), min(block_k, k.shape[1])
-    mask = _Mask(causal, win is not None, softcap, scale, bq, bk, q.shape[1], k.shape[1])
+    mask = _Mask(causal, window is not None, softcap, scale, bq, bk, q.shape[1], k.shape[1])
     b, t, h, d = q.shape
     n = k.shape[2]
-    qg = _padded(q.reshape(b, t, n, h // n, d), bq)  # (B, Tp, N, G, K)
-    kp, vp = _padded(k, bk), _padded(v, bk)
+    qg = _padded(q.reshape(b, t, n, h // n, d), bq)
     segs = None
     if segments is not None:
         segs = (_padded(segments.astype(jnp.int32), bq, -1), _padded(kv_segments.astype(jnp.int32), bk, -2))
-    win = win if win is not None else jnp.int32(_NO_POSITION)
+    win = window if window is not None else jnp.int32(_NO_POSITION)
     sink = None if sinks is None else sinks.astype(jnp.float32).reshape(n, h // n)
-    out, lse = _blocked(mask, qg, kp, vp, sink, segs, positions, win)  # (B, Tp, N, G, Kv), (B, N, G, Tp)
-    out = out[:, :t].reshape(b, t, h, v.shape[-1])
-    lse = lse[..., :t].reshape(b, h, t).transpose(0, 2, 1)
-    return out, lse
+    return mask, (qg, _padded(k, bk), _padded(v, bk), sink, segs, positions, win)
+
+
+def _untiled(out: jax.Array, lse: jax.Array, q_shape: tuple[int, ...], dv: int) -> tuple[jax.Array, jax.Array]:
+    """The kernel's ``(B, Tp, N, G, Kv)`` and ``(B, N, G, Tp)`` as ``(B, T, H, Kv)``, ``(B, T, H)``."""
+    b, t, h, _ = q_shape
+    return out[:, :t].reshape(b, t, h, dv), lse[..., :t].reshape(b, h, t).transpose(0, 2, 1)
 
 
 def visited_blocks(
-    t: int, s: int, *, causal: bool = True, window: int | None = None, q_offset: int = 0, block_q: int = 128, block_k: int = 128
+    t: int,
+    s: int,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    q_offset: int = 0,
+    block_q: int = 128,
+    block_k: int = 128,
 ) -> int:
     """How many ``(block_q x block_k)`` tiles the blocked kernel scores for ``t`` queries and
     ``s`` keys (of ``ceil(t / block_q) * ceil(s / block_k)``): what the mask lets it skip.
@@ -259,7 +382,8 @@ def _check(
         raise InputError(f"attention: segments of shape {np.shape(segments)}; give the queries' ({b}, {t}).")
     if kv_segments is not None and (segments is None or np.shape(kv_segments) != (b, s)):
         raise InputError(
-            f"attention: kv_segments of shape {np.shape(kv_segments)} need segments too, and the keys' shape ({b}, {s})."
+            f"attention: kv_segments of shape {np.shape(kv_segments)} need segments too, and the keys' shape "
+            f"({b}, {s})."
         )
     if segments is not None and kv_segments is None and s != t:
         raise InputError("attention: segments for queries and keys of different lengths; give kv_segments too.")
@@ -268,17 +392,19 @@ def _check(
             raise InputError(f"attention: {name}={value!r} must be a positive int (128 is usual).")
 
 
-def _padded(x: jax.Array, block: int, fill: int = 0) -> jax.Array:
-    """``x`` padded along axis 1 to a multiple of ``block`` (with ``fill``)."""
-    extra = -x.shape[1] % block
+def _padded(x: jax.Array, block: int, fill: float = 0, axis: int = 1) -> jax.Array:
+    """``x`` padded along ``axis`` to a multiple of ``block`` (with ``fill``)."""
+    extra = -x.shape[axis] % block
     if not extra:
         return x
     pad = [(0, 0)] * x.ndim
-    pad[1] = (0, extra)
+    pad[axis] = (0, extra)
     return jnp.pad(x, pad, constant_values=fill)
 
 
-def _key_blocks(mask: _Mask, i: Any, q_start: Any, k_start: Any, window: Any, nk: int, xp: Any = jnp) -> tuple[Any, Any]:
+def _key_blocks(
+    mask: _Mask, i: Any, q_start: Any, k_start: Any, window: Any, nk: int, xp: Any = jnp
+) -> tuple[Any, Any]:
     """``[lo, hi)``: the key blocks that query block ``i`` may see (ints, traced or numpy)."""
     bq, bk = mask.block_q, mask.block_k
     lo, hi = xp.int32(0) if xp is jnp else 0, nk
@@ -408,7 +534,7 @@ def _blocked_backward(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """The gradients of q, k, v and sinks, one key block at a time (its q blocks in an inner
     loop; dq accumulated in float32 across key blocks)."""
-    b, tp, n, g, d = q.shape
+    b, tp, n, _, d = q.shape
     bq, bk = mask.block_q, mask.block_k
     nq, nk = tp // bq, k.shape[1] // bk
     q_start, k_start = positions
@@ -430,7 +556,9 @@ def _blocked_backward(
             seen = _visible(mask, q_pos, k_start + k_index, q_seg, k_seg, window, k_index)
             seen = seen & jnp.isfinite(lse_b)[..., None]
             probs = jnp.where(seen, jnp.exp(scores - jnp.where(seen, lse_b[..., None], 0.0)), 0.0)
-            d_v = d_v + jnp.einsum("bngqs,bqngk->bsnk", probs.astype(dob.dtype), dob, preferred_element_type=jnp.float32)
+            d_v = d_v + jnp.einsum(
+                "bngqs,bqngk->bsnk", probs.astype(dob.dtype), dob, preferred_element_type=jnp.float32
+            )
             d_probs = jnp.einsum("bqngk,bsnk->bngqs", dob, vb, preferred_element_type=jnp.float32)
             d_scores = probs * (d_probs - delta_b[..., None])
             if capped is not None:
