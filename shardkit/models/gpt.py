@@ -909,7 +909,11 @@ class Attention(nnx.Module):
         if cfg.attention is None and jax.default_backend() == "gpu":
             return _cudnn_attention(q, k, v) or self.blocked_attention(q, k, v, sliding, None)
         return jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation=cfg.attention  # type: ignore[arg-type]  # checked in GPTConfig
+            q,
+            k,
+            v,
+            is_causal=True,
+            implementation=cfg.attention,  # type: ignore[arg-type]  # checked in GPTConfig
         )
 
 

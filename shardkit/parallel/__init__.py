@@ -1,5 +1,6 @@
 """What GSPMD annotations alone cannot express: explicit communication inside the step (experts'
-all-to-alls, the pipeline and its schedules, ring attention).
+all-to-alls, the pipeline and its schedules, ring attention), and the blocked attention kernel
+ring attention runs on each device.
 
 May import: ``core``, ``runtime``.
 """
@@ -7,6 +8,8 @@ May import: ``core``, ``runtime``.
 from shardkit._lazy import install
 
 _WHERE = {
+    "attention": "attention",
+    "attention_with_lse": "attention",
     "ExpertLoad": "experts",
     "MoE": "experts",
     "Routing": "experts",
@@ -27,6 +30,8 @@ __all__ = [
     "MoE",
     "Routing",
     "Schedule",
+    "attention",
+    "attention_with_lse",
     "balance_bias",
     "load_apart",
     "make_schedule",
@@ -39,4 +44,4 @@ __all__ = [
 ]
 
 # Lazy (PEP 562): importing the schedules alone starts no JAX.
-__getattr__, __dir__ = install(__name__, _WHERE, ("experts", "pipeline", "schedule"))
+__getattr__, __dir__ = install(__name__, _WHERE, ("attention", "experts", "pipeline", "schedule"))
