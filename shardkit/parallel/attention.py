@@ -297,7 +297,8 @@ def _tiled(
     qg = _padded(q.reshape(b, t, n, h // n, d), bq)
     segs = None
     if segments is not None:
-        segs = (_padded(segments.astype(jnp.int32), bq, -1), _padded(kv_segments.astype(jnp.int32), bk, -2))
+        keys = segments if kv_segments is None else kv_segments
+        segs = (_padded(segments.astype(jnp.int32), bq, -1), _padded(keys.astype(jnp.int32), bk, -2))
     win = window if window is not None else jnp.int32(_NO_POSITION)
     sink = None if sinks is None else sinks.astype(jnp.float32).reshape(n, h // n)
     return mask, (qg, _padded(k, bk), _padded(v, bk), sink, segs, positions, win)
@@ -661,7 +662,8 @@ def _materialized(
             seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
     seen = seen[None, None, None]
     if segments is not None:
-        seen = seen & (segments[:, None, None, :, None] == kv_segments[:, None, None, None, :])
+        keys = segments if kv_segments is None else kv_segments
+        seen = seen & (segments[:, None, None, :, None] == keys[:, None, None, None, :])
     scores = jnp.where(seen, scores, -jnp.inf)
     if sinks is not None:
         sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, n, h // n, 1, 1), (*scores.shape[:-1], 1))
