@@ -2,6 +2,7 @@
 score matrix for every mask shardkit computes, memory linear in the sequence, hidden blocks
 skipped, bad input refused; and the GPT's families through it."""
 
+import json
 import pathlib
 
 import jax
@@ -227,3 +228,9 @@ def test_families_through_blocks_give_transformers_logits(family):
     tokens = np.load(REFERENCE / "tokens.npy").astype(np.int32)
     out = jax.jit(lambda params, x: run.trainer.model.apply(params, x, None))(run.state.params, tokens)
     assert float(np.abs(np.asarray(out) - np.load(REFERENCE / family / "reference_logits.npy")).max()) <= 1e-4
+
+
+def test_a_prompt_prefilled_in_blocks_generates_what_transformers_does():
+    want = json.loads((REFERENCE / "generate.json").read_text())
+    run = sk.from_pretrained(REFERENCE / "gemma2", layout="data=1", devices=jax.devices()[:1], attention="blocked")
+    assert run.generate(want["prompts"], want["new_tokens"]) == want["gemma2"]

@@ -303,3 +303,16 @@ def test_experts_benchmark_small(tmp_path):
     assert placed["bytes_ratio"] <= 1.02 < alone["bytes_ratio"] and placed["bound_expert_mb"] > 0
     assert placed["state_mb"] < rows["data=8"]["after"]["state_mb"] / 2  # the experts split four ways
     assert "largest named" in out
+
+
+@pytest.mark.slow
+def test_long_context_benchmark_small(tmp_path):
+    out = run(sys.executable, "benchmarks/long_context.py", "--quick", "--json", str(tmp_path / "l.json"))
+    result = json.loads((tmp_path / "l.json").read_text())
+    steps = {(r["model"], r["tokens"]): r for r in result["step_temporaries"]}
+    for model in ("mini", "gemma2"):
+        grows = steps[(model, 1024)]["blocked"]["temp_gb"] / steps[(model, 256)]["blocked"]["temp_gb"]
+        assert grows < 4.5 < steps[(model, 1024)]["xla"]["temp_gb"] / steps[(model, 256)]["xla"]["temp_gb"]
+    tiles = {r["mask"].split()[0]: r["tiles"] for r in result["skipping"]}
+    assert tiles["causal"] < 0.6 * tiles["none"] and tiles["window"] < tiles["causal"]
+    assert "blocked/jax.nn" in out

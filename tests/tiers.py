@@ -118,6 +118,11 @@ DEV_TESTS = {
         "test_a_disk_that_fills_up_gives_one_clear_error_and_keeps_the_earlier_checkpoints",
         "test_two_writers_in_one_directory",
     },
+    "test_attention.py": {
+        "test_blocked_attention_equals_every_score_formed_forward_and_backward",
+        "test_bad_input_is_refused_with_the_fix",
+        "test_ring_attention_with_every_mask_equals_one_device",
+    },
     "test_sequence.py": {
         "test_ring_attention_is_exact",
         "test_sequence_that_does_not_divide_the_sequence_axis_is_refused",
