@@ -4,13 +4,14 @@ skipped, bad input refused; and the GPT's families through it."""
 
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import gpt_reference, run_trainer
+from helpers import gpt_reference, run_cli, run_trainer
 
 import shardkit as sk
 from shardkit.core.errors import InputError
@@ -222,11 +223,12 @@ def test_a_soft_capped_windowed_gpt_trains_under_the_ring_as_on_one_device():
     np.testing.assert_allclose(got, want, rtol=2e-5)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "llama3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "mixtral", "gemma2", "gemma3"])
 def test_families_through_blocks_give_transformers_logits(family):
     run = sk.from_pretrained(REFERENCE / family, layout="data=1", devices=jax.devices()[:1], attention="blocked")
     tokens = np.load(REFERENCE / "tokens.npy").astype(np.int32)
     out = jax.jit(lambda params, x: run.trainer.model.apply(params, x, None))(run.state.params, tokens)
+    out = out[0] if isinstance(out, tuple) else out  # a mixture of experts: (logits, its load)
     assert float(np.abs(np.asarray(out) - np.load(REFERENCE / family / "reference_logits.npy")).max()) <= 1e-4
 
 
@@ -234,3 +236,15 @@ def test_a_prompt_prefilled_in_blocks_generates_what_transformers_does():
     want = json.loads((REFERENCE / "generate.json").read_text())
     run = sk.from_pretrained(REFERENCE / "gemma2", layout="data=1", devices=jax.devices()[:1], attention="blocked")
     assert run.generate(want["prompts"], want["new_tokens"]) == want["gemma2"]
+
+
+def test_the_command_trains_past_the_presets_length_and_takes_the_attention_it_is_given():
+    temps = {}
+    for attention in ("xla", "auto"):
+        args = ("dryrun", "--model", "tiny", "--layout", "data=8", "--batch", "8", "--seq", "2048")
+        done = run_cli(*args, "--max-seq", "2048", "--attention", attention)
+        assert done.returncode == 0, done.stderr
+        temps[attention] = float(re.search(r"temp ([\d.]+)", done.stdout).group(1))
+    assert temps["auto"] < temps["xla"] / 5
+    refused = run_cli("dryrun", "--model", "tiny", "--layout", "data=8", "--batch", "8", "--seq", "2048")
+    assert refused.returncode != 0 and "give --max-seq 2048" in refused.stderr

@@ -148,7 +148,9 @@ def _trainer_for(cfg: TrainConfig, out: TextIO) -> tuple[TextDataset, Trainer, T
         what = "the tokenizer's" if dataset.tokenizer is not None else "the data's"
         raise ModelError(f"The model {name} has vocab {gpt_cfg.vocab} < {what} {dataset.vocab}.")
     if cfg.seq > gpt_cfg.max_seq:
-        raise InputError(f"--seq {cfg.seq} exceeds the {name} model's max_seq={gpt_cfg.max_seq}.")
+        raise InputError(
+            f"--seq {cfg.seq} exceeds the {name} model's max_seq={gpt_cfg.max_seq}; give --max-seq {cfg.seq}."
+        )
     if cfg.layout == auto_layout.AUTO:
         cfg = auto_layout.choose(cfg, gpt_cfg.vocab if own_vocab and not cfg.init_from else None, out)
         gpt_cfg = dataclasses.replace(gpt_cfg, remat=cfg.remat)

@@ -34,14 +34,17 @@ def lora_of(cfg: TrainConfig) -> LoRA | None:
 def model_of(cfg: TrainConfig, vocab: int | None = None) -> tuple[GPTConfig, str]:
     """The GPT of the run and its name: a preset's (its vocabulary the tokenizer's when ``vocab``
     is given), or a Hugging Face checkpoint's (``--init-from``), with the run's LoRA adapters."""
-    lora = lora_of(cfg)
+    attention = None if cfg.attention == "auto" else cfg.attention
+    options = dict(dropout=cfg.dropout, remat=cfg.remat, attention=attention, lora=lora_of(cfg))
+    if cfg.max_seq is not None:
+        options["max_seq"] = cfg.max_seq
     if cfg.init_from:
         hf_cfg = hf.read_config(cfg.init_from)
-        return hf.gpt_config(hf_cfg, dropout=cfg.dropout, remat=cfg.remat, lora=lora), hf_name(cfg)
+        return hf.gpt_config(hf_cfg, **options), hf_name(cfg)
     if cfg.model not in GPTConfig.preset_names():
         raise ModelError(f"--model {cfg.model!r} is not a preset; choose one of {', '.join(GPTConfig.preset_names())}.")
     sizes = {"vocab": vocab} if vocab is not None else {}
-    return GPTConfig.preset(cfg.model, dropout=cfg.dropout, remat=cfg.remat, lora=lora, **sizes), f"GPT-{cfg.model}"
+    return GPTConfig.preset(cfg.model, **options, **sizes), f"GPT-{cfg.model}"
 
 
 def tokenizer_path(cfg: TrainConfig) -> str | None:

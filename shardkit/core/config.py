@@ -20,6 +20,7 @@ PACKINGS = ("auto", "windows", "packed")
 # When accumulated gradients are reduced (shardkit.training.accumulation): auto, once, per_microbatch.
 REDUCE_GRADIENTS = ("auto", "once", "per_microbatch")
 SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules (shardkit.parallel.schedule)
+ATTENTION_NAMES = ("auto", "blocked", "xla", "cudnn")  # GPTConfig.attention, "auto" for its None
 # Settings that change what a resumed run computes; a run directory refuses a change to any of
 # them unless --allow-change names it. The layout is not one: a run resumes onto any layout.
 RESUMABLE_SETTINGS = frozenset(
@@ -135,6 +136,18 @@ class TrainConfig:
     precision: str = setting("fp32", "mixed-precision policy", choices=PRECISION_NAMES)
     microbatches: int = setting(1, "gradient accumulation steps; with stage>1, the microbatches in the pipeline")
     remat: str = setting("none", "rematerialisation per layer: none, full, dots, dots_no_batch")
+    max_seq: int | None = setting(
+        None,
+        "the GPT's longest sequence (default: the preset's or the checkpoint config's); rotary positions "
+        "extend to any length",
+    )
+    attention: str = setting(
+        "auto",
+        "the GPT's training attention: auto (cuDNN where it serves the mask on GPUs, else the blocked kernel; "
+        "elsewhere blocked from 512 tokens), blocked (memory linear in the sequence), xla (every score formed), "
+        "cudnn",
+        choices=ATTENTION_NAMES,
+    )
     nonfinite: str = setting("skip", "a step with NaN/Inf is skipped or stops the run", choices=NONFINITE_NAMES)
     max_skips: int = setting(10, "non-finite steps skipped in a row that stop the run (0: never)")
     sequence_parallel: bool = setting(False, "Megatron sequence parallelism on the tensor axis")
@@ -206,6 +219,8 @@ class TrainConfig:
             raise InputError(f"--lr must be a finite positive number, got {self.lr}.")
         if self.seed < 0:
             raise InputError(f"--seed must be >= 0, got {self.seed}.")
+        if self.max_seq is not None and self.max_seq < 1:
+            raise InputError(f"--max-seq must be a positive number of tokens, got {self.max_seq}.")
         if self.max_skips < 0:
             raise InputError(f"--max-skips must be >= 0 (0: never stop on skipped steps), got {self.max_skips}.")
         if self.optimizer not in OPTIMIZER_NAMES:
@@ -312,6 +327,8 @@ class DryRunSettings:
     schedule: str | None = same_as(TrainConfig, "schedule")
     virtual_stages: int = same_as(TrainConfig, "virtual_stages")
     remat: str = same_as(TrainConfig, "remat")
+    max_seq: int | None = same_as(TrainConfig, "max_seq")
+    attention: str = same_as(TrainConfig, "attention")
     zero: int = same_as(TrainConfig, "zero")
     fsdp_min_size: int | None = same_as(TrainConfig, "fsdp_min_size")
     reduce_gradients: str = same_as(TrainConfig, "reduce_gradients")
@@ -325,7 +342,7 @@ class DryRunSettings:
         for name, least in (("batch", 1), ("microbatches", 1), ("virtual_stages", 1)):
             if getattr(self, name) < least:
                 raise InputError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(self, name)}.")
-        for name in ("seq", "n_layers", "vocab", "devices"):
+        for name in ("seq", "max_seq", "n_layers", "vocab", "devices"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 flag = {"n_layers": "layers"}.get(name, name)

@@ -64,7 +64,13 @@ class DryRunConfig(DryRunSettings):
 
     def gpt_config(self) -> GPTConfig:
         """The GPT of a preset (``model``), or of a checkpoint's ``config.json`` (``init_from``)."""
-        overrides: dict[str, Any] = {"remat": self.remat, "scan_layers": self.scan_layers}
+        overrides: dict[str, Any] = {
+            "remat": self.remat,
+            "scan_layers": self.scan_layers,
+            "attention": None if self.attention == "auto" else self.attention,
+        }
+        if self.max_seq is not None:
+            overrides["max_seq"] = self.max_seq
         if self.n_layers is not None:
             overrides["n_layers"] = self.n_layers
         if self.vocab is not None:
@@ -98,13 +104,13 @@ def _factory_trainer(cfg: DryRunConfig, factory: Callable[[], Model] | None) -> 
         raise InputError(f"Model {label} is your own: give the sequence length (--seq N, or seq=N) for a dry run.")
     changed = [
         f
-        for f in ("remat", "scan_layers", "n_layers", "vocab")
+        for f in ("remat", "attention", "max_seq", "scan_layers", "n_layers", "vocab")
         if getattr(cfg, f) != DryRunConfig.__dataclass_fields__[f].default
     ]
     if changed:
         raise ModelError(
             f"{', '.join(changed)} change shardkit's GPT presets only; model {label} is built by its factory. "
-            "Fix: drop them, and set remat or the depth in your factory."
+            "Fix: drop them, and set remat, the attention or the depth in your factory."
         )
     return _trainer_and_batch(build_model(factory, label), cfg, cfg.seq)
 
@@ -153,7 +159,7 @@ def trainer_for(
     label = cfg.model_label()
     seq = cfg.seq or gpt.max_seq
     if seq > gpt.max_seq:
-        raise InputError(f"--seq {seq} exceeds the {label} model's max_seq={gpt.max_seq}.")
+        raise InputError(f"--seq {seq} exceeds the {label} model's max_seq={gpt.max_seq}; give --max-seq {seq}.")
     return _trainer_and_batch(gpt.model(name=f"GPT-{label}"), cfg, seq)
 
 
