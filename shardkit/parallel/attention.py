@@ -38,9 +38,10 @@ from shardkit.core.errors import InputError
 IMPLEMENTATIONS = ("blocked", "materialized")
 
 # From this many queries the blocked kernel runs (implementation=None) on a backend other than a
-# GPU: below it, the whole score matrix is small and one fused matmul is quicker
-# (benchmarks/long_context.py measured the crossing on XLA:CPU).
-BLOCKED_FROM = 1024
+# GPU: below it the whole score matrix is small and one fused matmul is quicker. XLA:CPU, one
+# layer's forward and backward against jax.nn.dot_product_attention: 1.4x slower at 256 tokens,
+# even at 384, 0.5-0.6x the time at 512, 0.35x at 4,096 (benchmarks/long_context.py).
+BLOCKED_FROM = 512
 
 _NO_POSITION = np.iinfo(np.int32).max // 2  # a window "wider than any sequence", safe from overflow
 
