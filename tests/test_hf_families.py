@@ -289,3 +289,27 @@ def test_cli_trains_from_every_family_and_exports_what_the_import_reads(tmp_path
         (REFERENCE / family / "config.json").read_text()
     )
     assert max_error(sk.from_pretrained(tmp_path / "hf", layout="fsdp=8"), family, rows=4) < 1e-2  # 1 step at lr 1e-9
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_nan_or_inf_weight_is_named_with_its_file_before_any_step(tmp_path, bad):
+    ck = copy_of(tmp_path, "llama3")
+    tensors = load_file(str(ck / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = bad
+    save_file(tensors, str(ck / "model.safetensors"))
+    with pytest.raises(
+        CheckpointError, match=r"model.safetensors: tensor model.layers.1.mlp.down_proj.weight holds 1 NaN"
+    ):
+        sk.from_pretrained(ck, layout="fsdp=8")
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("rms_norm_eps", "1e-6"), ("hidden_size", "64"), ("num_hidden_layers", 2.5), ("rope_theta", True)],
+)
+def test_a_number_written_as_something_else_is_refused_by_key(tmp_path, key, value):
+    ck = copy_of(tmp_path, "llama3")
+    config = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ModelError, match=rf"config.json \(llama\): {key} is {value!r}"):
+        sk.from_pretrained(ck, layout="fsdp=8")

@@ -120,6 +120,7 @@ class Tensors:
         if not index.exists():
             weight_map = {name: file for file, handle in handles.items() for name in handle.keys()}  # noqa: SIM118 -- a safe_open handle is not iterable
         self._files = {name: handles[file] for name, file in weight_map.items()}
+        self._file_names = dict(weight_map)
         self.names = frozenset(self._files)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -130,7 +131,16 @@ class Tensors:
         return str(self._files[name].get_slice(name).get_dtype())
 
     def read(self, name: str, block: tuple[slice, ...]) -> np.ndarray:
-        return np.asarray(self._files[name].get_slice(name)[block])
+        """One block of one tensor; a :class:`CheckpointError` naming the file and the tensor if it
+        holds NaN or Inf (a weight that would make every loss NaN, found before any step)."""
+        values = np.asarray(self._files[name].get_slice(name)[block])
+        if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
+            bad = int(values.size - np.isfinite(values).sum())
+            raise CheckpointError(
+                f"{self.directory / self._file_names[name]}: tensor {name} holds {bad} NaN or Inf value(s) (in the "
+                "block read here); the checkpoint was corrupted or trained into overflow. Download or export it again."
+            )
+        return values
 
 
 # -- in ----------------------------------------------------------------------------------------

@@ -282,8 +282,49 @@ def _window(kind: str, hf: Mapping[str, Any]) -> int | None:
     return int(window) if window is not None else None
 
 
+# config.json's numbers by the JSON type transformers reads them as (a string is refused, not parsed).
+INTEGER_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "head_dim",
+    "sliding_window",
+    "num_local_experts",
+    "num_experts_per_tok",
+)
+FLOAT_KEYS = (
+    "rms_norm_eps",
+    "rope_theta",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "router_aux_loss_coef",
+    "attention_dropout",
+    "query_pre_attn_scalar",
+)
+
+
+def _check_types(kind: str, hf: Mapping[str, Any]) -> None:
+    """Numbers written as numbers: ``"rms_norm_eps": "1e-6"`` is refused by name, not read."""
+    for key in INTEGER_KEYS + FLOAT_KEYS:
+        value = hf.get(key)
+        if value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (key in INTEGER_KEYS and isinstance(value, float) and not value.is_integer()):
+            want = "an integer" if key in INTEGER_KEYS else "a number"
+            raise ModelError(
+                f"config.json ({kind}): {key} is {value!r} ({type(value).__name__}); transformers reads {want} "
+                f"there. Write it as {want} in config.json."
+            )
+
+
 def _check_values(kind: str, hf: Mapping[str, Any]) -> None:
     """Read keys whose value shardkit cannot compute."""
+    _check_types(kind, hf)
     gemma = kind.startswith("gemma")
     activations = ("gelu_pytorch_tanh",) if gemma else ("silu", "swish")
     for key in ("hidden_activation", "hidden_act") if gemma else ("hidden_act",):
