@@ -7,6 +7,7 @@ adapters and settings are refused by name."""
 import functools
 import json
 import pathlib
+import re
 import shutil
 
 import jax
@@ -484,10 +485,18 @@ def test_lora_targets_that_match_nothing_are_refused():
     sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
     from zoo import ZOO
 
-    with pytest.raises(ModelError, match="match no nnx.Linear or nnx.Einsum"):
+    with pytest.raises(ModelError, match="match no nnx.Linear or nnx.Einsum") as nnx_error:
         sk.with_lora(ZOO["llama_style"].make, targets=r"wqkv$").abstract_params()
-    with pytest.raises(ModelError, match="match no nn.Dense or nn.DenseGeneral"):
+    with pytest.raises(ModelError, match="match no nn.Dense or nn.DenseGeneral") as linen_error:
         sk.with_lora(ZOO["linen_lm"].linen, np.zeros((2, 32), np.int32), targets=r"wqkv$")
+    # Each message shows paths of that model: a target written from one adapts it (else the same error).
+    for error, make in (
+        (nnx_error, lambda t: sk.with_lora(ZOO["llama_style"].make, targets=t).abstract_params()),
+        (linen_error, lambda t: sk.with_lora(ZOO["linen_lm"].linen, np.zeros((2, 32), np.int32), targets=t)),
+    ):
+        shown = re.findall(r"'([^']+)'", str(error.value))[1:]  # after the targets' own quotes
+        assert len(shown) >= 2
+        make(f"^{re.escape(shown[0])}$")
 
 
 def test_lora_dropout_drops_the_adapters_input_in_training_alike_on_every_layout():

@@ -182,8 +182,11 @@ def add_adapters(module: nnx.Module, lora: LoRA, targets: str, rngs: nnx.Rngs) -
     leading stacked dimensions on its kernel; its adapters get the same ones, named alike, so
     the scan slices them layer by layer. Returns the adapted paths (an error when none matches)."""
     adapted: list[str] = []
+    candidates: list[str] = []
     for path, sub in nnx.iter_modules(module):
         name = "/".join(str(p) for p in path)
+        if isinstance(sub, (nnx.Linear, nnx.Einsum)):
+            candidates.append(name)
         if not isinstance(sub, (nnx.Linear, nnx.Einsum)) or not re.search(targets, name):
             continue
         ins, outs, delta = _adapter_shapes(sub)
@@ -217,10 +220,19 @@ def add_adapters(module: nnx.Module, lora: LoRA, targets: str, rngs: nnx.Rngs) -
         adapted.append(name)
     if not adapted:
         raise ModelError(
-            f"LoRA targets {targets!r} match no nnx.Linear or nnx.Einsum of {type(module).__name__}; module paths "
-            "look like 'layers/0/attn/q' (re.search on them)."
+            f"LoRA targets {targets!r} match no nnx.Linear or nnx.Einsum of {type(module).__name__}; "
+            f"{_its_paths(candidates)} (re.search on them)."
         )
     return adapted
+
+
+def _its_paths(paths: list[str] | set[str], shown: int = 6) -> str:
+    """What a targets error shows: some of the model's own adaptable module paths."""
+    if not paths:
+        return "it has none (LoRA adapts Linear/Einsum and Dense/DenseGeneral modules)"
+    ordered = sorted(paths)
+    more = f", ... ({len(ordered)} in all)" if len(ordered) > shown else ""
+    return f"its paths are {', '.join(repr(p) for p in ordered[:shown])}{more}"
 
 
 def with_lora(make: Any, *example_inputs: Any, targets: str, lora: LoRA | None = None, **adapter_kwargs: Any) -> Model:
@@ -275,7 +287,7 @@ def with_lora(make: Any, *example_inputs: Any, targets: str, lora: LoRA | None =
 _LINEN_TRAINING: contextvars.ContextVar[bool] = contextvars.ContextVar("linen_lora_training", default=False)
 
 
-def _linen_interceptor(lora: LoRA, targets: str, adapted: set[str]) -> Callable[..., Any]:
+def _linen_interceptor(lora: LoRA, targets: str, adapted: set[str], seen: set[str]) -> Callable[..., Any]:
     """An ``nn.intercept_methods`` interceptor that gives each ``nn.Dense`` / ``nn.DenseGeneral``
     whose module path matches ``targets`` adapters ``lora_a`` / ``lora_b`` (created as its own
     parameters, named as its kernel's dimensions) and adds ``(alpha / r) (x A) B`` to its output."""
@@ -287,6 +299,7 @@ def _linen_interceptor(lora: LoRA, targets: str, adapted: set[str]) -> Callable[
         if context.method_name != "__call__" or not isinstance(module, (nn.Dense, nn.DenseGeneral)):
             return out
         path = "/".join(str(p) for p in (module.scope.path if module.scope is not None else ()))
+        seen.add(path)
         if not re.search(targets, path):
             return out
         x = args[0]
@@ -337,14 +350,14 @@ def _with_lora_linen(
 
     from shardkit.models.linen_adapter import from_linen
 
-    settings, adapted = lora or LoRA(), set[str]()
-    interceptor = _linen_interceptor(settings, targets, adapted)
+    settings, adapted, seen = lora or LoRA(), set[str](), set[str]()
+    interceptor = _linen_interceptor(settings, targets, adapted, seen)
     with nn.intercept_methods(interceptor):  # the adapters exist when from_linen reads the parameters
         model = from_linen(module, *example_inputs, **from_linen_kwargs)
     if not adapted:
         raise ModelError(
-            f"LoRA targets {targets!r} match no nn.Dense or nn.DenseGeneral of {type(module).__name__}; module "
-            "paths look like 'block_0/attention/query' (re.search on them)."
+            f"LoRA targets {targets!r} match no nn.Dense or nn.DenseGeneral of {type(module).__name__}; "
+            f"{_its_paths(seen)} (re.search on them)."
         )
 
     def intercepted(fn: Callable[..., Any], keyed: bool = False) -> Callable[..., Any]:
