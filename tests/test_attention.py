@@ -248,3 +248,16 @@ def test_the_command_trains_past_the_presets_length_and_takes_the_attention_it_i
     assert temps["auto"] < temps["xla"] / 5
     refused = run_cli("dryrun", "--model", "tiny", "--layout", "data=8", "--batch", "8", "--seq", "2048")
     assert refused.returncode != 0 and "give --max-seq 2048" in refused.stderr
+
+
+def test_where_cudnn_refuses_the_gpu_default_falls_back_to_blocks(monkeypatch):
+    """The GPU rule run on the CPU: cuDNN is asked first and refuses here ("not detected"), as it
+    refuses float32 or a head dim on a GPU; the GPT then runs the blocked kernel, same logits."""
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 64)), jnp.int32)
+    model = GPTConfig.preset("tiny").model()
+    params = model.init(jax.random.key(0))
+    want = jax.jit(lambda p: model.apply(p, tokens, None))(params)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    text = jax.jit(lambda p: model.apply(p, tokens, None)).lower(params).as_text()
+    assert "while" in text  # the blocked kernel's loops, though 64 tokens are under BLOCKED_FROM
+    np.testing.assert_allclose(jax.jit(lambda p: model.apply(p, tokens, None))(params), want, atol=2e-5)

@@ -761,7 +761,7 @@ class Attention(nnx.Module):
         """Whether this config's attention over ``t`` tokens runs the blocked kernel
         (:mod:`shardkit.parallel.attention`) rather than the whole score matrix: as
         ``cfg.attention`` says; by default from :data:`BLOCKED_FROM` tokens off GPUs (on GPUs,
-        wherever cuDNN does not serve the mask: see :meth:`__call__`)."""
+        wherever cuDNN does not serve the mask: see :meth:`attend`)."""
         if self.cfg.attention is not None:
             return self.cfg.attention == "blocked"
         on_gpu = jax.default_backend() == "gpu"
@@ -907,7 +907,8 @@ class Attention(nnx.Module):
             mask = same_document(documents, documents)[:, None]  # (B, 1, T, T), causal on top
             return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
         if cfg.attention is None and jax.default_backend() == "gpu":
-            return _cudnn_attention(q, k, v) or self.blocked_attention(q, k, v, sliding, None)
+            fused = _cudnn_attention(q, k, v)  # an array: tested against None, never for truth
+            return fused if fused is not None else self.blocked_attention(q, k, v, sliding, None)
         return jax.nn.dot_product_attention(
             q,
             k,
