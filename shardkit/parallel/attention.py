@@ -98,8 +98,8 @@ def attention(
       q_offset: the first query's position relative to the first key (a chunk of a prompt after
         ``q_offset`` tokens already in ``k``).
       implementation: ``"blocked"`` (this module's kernel), ``"materialized"`` (the whole score
-        matrix, for reference and for short sequences), or None: blocked from
-        :data:`BLOCKED_FROM` queries, materialized below.
+        matrix, for reference and for short sequences), or None: blocked on GPUs, elsewhere
+        from :data:`BLOCKED_FROM` queries (materialized below, where one fused matmul is quicker).
       block_q, block_k: queries and keys per tile.
 
     Returns:
