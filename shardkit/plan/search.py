@@ -21,6 +21,7 @@ from shardkit.core.rules import default_rules
 from shardkit.models.gpt import GPTConfig
 from shardkit.models.hf_config import gpt_config
 from shardkit.models.model import Model, model_facts
+from shardkit.models.model_source import is_factory_ref
 from shardkit.plan.dryrun import DryRunConfig, dry_run_optimizer, hf_config_of
 from shardkit.plan.options import Plan, PlanOptions, size_text
 
@@ -270,10 +271,11 @@ class Question:
             remat=setting.remat,
             schedule=schedule,
             zero=setting.zero,
-            # Every score formed, as the estimate prices attention: the blocked kernel's loops stop
-            # where the mask does, so their trip counts are not in the HLO and its FLOPs would count
-            # one tile per block of queries (the compiled seconds would undercut the estimate).
-            attention="xla",
+            # Every score formed in shardkit's GPT, as the estimate prices attention: the blocked
+            # kernel's loops stop where the mask does, so their trip counts are not in the HLO and
+            # its FLOPs would count one tile per block of queries (the compiled seconds would
+            # undercut the estimate). A factory's model attends as it was written.
+            attention="auto" if is_factory_ref(self.model_name) and not self.init_from else "xla",
         )
 
 
