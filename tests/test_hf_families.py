@@ -305,7 +305,14 @@ def test_a_nan_or_inf_weight_is_named_with_its_file_before_any_step(tmp_path, ba
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("rms_norm_eps", "1e-6"), ("hidden_size", "64"), ("num_hidden_layers", 2.5), ("rope_theta", True)],
+    [
+        ("rms_norm_eps", "1e-6"),
+        ("hidden_size", "64"),
+        ("num_hidden_layers", 2.5),
+        ("head_dim", 16.0),
+        ("rope_theta", True),
+        ("router_jitter_noise", "0"),
+    ],
 )
 def test_a_number_written_as_something_else_is_refused_by_key(tmp_path, key, value):
     ck = copy_of(tmp_path, "llama3")

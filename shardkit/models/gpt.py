@@ -775,22 +775,17 @@ class Attention(nnx.Module):
             return None
         return w if sliding is True else jnp.where(sliding, w, t)
 
+    def masks(self, sliding: bool | jax.Array, t: int, documents: jax.Array | None) -> dict[str, Any]:
+        """This config's masks over ``t`` tokens as :func:`attention` and ring attention take
+        them: the window, soft cap, scale and packed documents."""
+        cfg = self.cfg
+        return dict(window=self.window(sliding, t), softcap=cfg.attn_softcap, scale=cfg.query_scale, segments=documents)
+
     def blocked_attention(
         self, q: jax.Array, k: jax.Array, v: jax.Array, sliding: bool | jax.Array, documents: jax.Array | None
     ) -> jax.Array:
-        """The blocked kernel with this config's scale, soft cap and window: ``(B, T, H, K)``."""
-        cfg = self.cfg
-        window = self.window(sliding, q.shape[1])
-        return attention(
-            q,
-            k,
-            v,
-            window=window,
-            softcap=cfg.attn_softcap,
-            scale=cfg.query_scale,
-            segments=documents,
-            implementation="blocked",
-        )
+        """The blocked kernel with this config's masks: ``(B, T, H, K)``."""
+        return attention(q, k, v, implementation="blocked", **self.masks(sliding, q.shape[1], documents))
 
     def explicit(self, t: int) -> bool:
         """Whether this config needs :func:`explicit_attention` at sequence length ``t``."""
@@ -889,16 +884,8 @@ class Attention(nnx.Module):
         cfg, t = self.cfg, q.shape[1]
         context = current_rules()
         if context is not None and dict(context[0].shape).get("sequence", 1) > 1:
-            return ring_attention(
-                q,
-                k,
-                v,
-                *context,
-                window=self.window(sliding, t),
-                softcap=cfg.attn_softcap,
-                scale=cfg.query_scale,
-                segments=documents,
-            )  # the sequence split over devices, each step the blocked kernel
+            # The sequence split over devices, each step the blocked kernel.
+            return ring_attention(q, k, v, *context, **self.masks(sliding, t, documents))
         if self.blocked(t):
             return self.blocked_attention(q, k, v, sliding, documents)
         if self.explicit(t):

@@ -134,8 +134,9 @@ class Tensors:
         """One block of one tensor; a :class:`CheckpointError` naming the file and the tensor if it
         holds NaN or Inf (a weight that would make every loss NaN, found before any step)."""
         values = np.asarray(self._files[name].get_slice(name)[block])
-        if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
-            bad = int(values.size - np.isfinite(values).sum())
+        finite = np.isfinite(values) if np.issubdtype(values.dtype, np.floating) else None
+        if finite is not None and not finite.all():
+            bad = int(finite.size - finite.sum())
             raise CheckpointError(
                 f"{self.directory / self._file_names[name]}: tensor {name} holds {bad} NaN or Inf value(s) (in the "
                 "block read here); the checkpoint was corrupted or trained into overflow. Download or export it again."

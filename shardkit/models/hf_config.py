@@ -303,6 +303,7 @@ FLOAT_KEYS = (
     "final_logit_softcapping",
     "router_aux_loss_coef",
     "attention_dropout",
+    "router_jitter_noise",
     "query_pre_attn_scalar",
 )
 
@@ -313,8 +314,8 @@ def _check_types(kind: str, hf: Mapping[str, Any]) -> None:
         value = hf.get(key)
         if value is None:
             continue
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or (key in INTEGER_KEYS and isinstance(value, float) and not value.is_integer()):
+        kinds = (int,) if key in INTEGER_KEYS else (int, float)
+        if not isinstance(value, kinds) or isinstance(value, bool):
             want = "an integer" if key in INTEGER_KEYS else "a number"
             raise ModelError(
                 f"config.json ({kind}): {key} is {value!r} ({type(value).__name__}); transformers reads {want} "
@@ -344,8 +345,6 @@ def _check_values(kind: str, hf: Mapping[str, Any]) -> None:
     for key, (refused, why) in refusals.items():
         if refused:
             raise _refuse(kind, key, hf.get(key), why)
-    if "head_dim" in hf and hf["head_dim"] is not None and not isinstance(hf["head_dim"], int):
-        raise _refuse(kind, "head_dim", hf["head_dim"], "expected an integer")
 
 
 def gpt_config(hf: Mapping[str, Any], **overrides: Any) -> GPTConfig:

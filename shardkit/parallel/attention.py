@@ -409,7 +409,7 @@ def _key_blocks(
 ) -> tuple[Any, Any]:
     """``[lo, hi)``: the key blocks that query block ``i`` may see (ints, traced or numpy)."""
     bq, bk = mask.block_q, mask.block_k
-    lo, hi = xp.int32(0) if xp is jnp else 0, nk
+    lo, hi = 0, nk
     if mask.causal:  # the block's first key at or before the block's last query
         last_q = q_start + (i + 1) * bq - 1
         hi = xp.minimum(nk, xp.maximum(0, (last_q - k_start) // bk + 1))
@@ -623,12 +623,13 @@ def _blocked_bwd(mask: _Mask, saved: tuple[Any, ...], cotangents: tuple[jax.Arra
     d_q, d_k, d_v, d_sinks = _blocked_backward(
         mask, q, k, v, sinks, segments, positions, window, out, lse, d_out, d_lse
     )
-    no_segments = None if segments is None else jax.tree.map(_int_zeros, segments)
-    return d_q, d_k, d_v, d_sinks, no_segments, jax.tree.map(_int_zeros, positions), _int_zeros(window)
+    return d_q, d_k, d_v, d_sinks, no_cotangent(segments), no_cotangent(positions), no_cotangent(window)
 
 
-def _int_zeros(x: jax.Array) -> Any:
-    return np.zeros(np.shape(x), jax.dtypes.float0)
+def no_cotangent(operands: Any) -> Any:
+    """The cotangents of integer operands (positions, windows, segments) for a ``custom_vjp``'s
+    backward: float0 zeros of each leaf's shape (None stays None)."""
+    return jax.tree.map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), operands)
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)

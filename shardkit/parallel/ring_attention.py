@@ -20,12 +20,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from shardkit.core.errors import LayoutError
 from shardkit.core.rules import Rules, entry_axes, resolve
-from shardkit.parallel.attention import blocked_backward, blocked_forward
+from shardkit.parallel.attention import blocked_backward, blocked_forward, no_cotangent
 
 
 def merged(out: jax.Array, lse: jax.Array, more: jax.Array, more_lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -134,8 +133,7 @@ def _ring_bwd(ring: _Ring, saved: tuple[Any, ...], cotangents: tuple[jax.Array, 
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
     init = (zeros(q), k, v, segments, zeros(k), zeros(v))
     (d_q, _, _, _, d_k, d_v), _ = jax.lax.scan(step, init, jnp.arange(ring.size))
-    int_zeros = lambda x: None if x is None else np.zeros(np.shape(x), jax.dtypes.float0)
-    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), int_zeros(segments), int_zeros(window)
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), no_cotangent(segments), no_cotangent(window)
 
 
 _ring_lse.defvjp(_ring_fwd, _ring_bwd)
