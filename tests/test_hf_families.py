@@ -304,19 +304,19 @@ def test_a_nan_or_inf_weight_is_named_with_its_file_before_any_step(tmp_path, ba
 
 
 @pytest.mark.parametrize(
-    ("key", "value"),
+    ("family", "key", "value"),
     [
-        ("rms_norm_eps", "1e-6"),
-        ("hidden_size", "64"),
-        ("num_hidden_layers", 2.5),
-        ("head_dim", 16.0),
-        ("rope_theta", True),
-        ("router_jitter_noise", "0"),
+        ("llama3", "rms_norm_eps", "1e-6"),
+        ("llama3", "hidden_size", "64"),
+        ("llama3", "num_hidden_layers", 2.5),
+        ("llama3", "head_dim", 16.0),
+        ("llama3", "rope_theta", True),
+        ("mixtral", "router_jitter_noise", "0"),
     ],
 )
-def test_a_number_written_as_something_else_is_refused_by_key(tmp_path, key, value):
-    ck = copy_of(tmp_path, "llama3")
+def test_a_number_written_as_something_else_is_refused_by_key(tmp_path, family, key, value):
+    ck = copy_of(tmp_path, family)
     config = json.loads((ck / "config.json").read_text())
     (ck / "config.json").write_text(json.dumps({**config, key: value}))
-    with pytest.raises(ModelError, match=rf"config.json \(llama\): {key} is {value!r}"):
+    with pytest.raises(ModelError, match=rf"config.json \({config['model_type']}\): {key} is {value!r}"):
         sk.from_pretrained(ck, layout="fsdp=8")
