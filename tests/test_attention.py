@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
+from flax import nnx
 from helpers import gpt_reference, run_cli, run_trainer
 
 import shardkit as sk
@@ -261,3 +263,46 @@ def test_where_cudnn_refuses_the_gpu_default_falls_back_to_blocks(monkeypatch):
     text = jax.jit(lambda p: model.apply(p, tokens, None)).lower(params).as_text()
     assert "while" in text  # the blocked kernel's loops, though 64 tokens are under BLOCKED_FROM
     np.testing.assert_allclose(jax.jit(lambda p: model.apply(p, tokens, None))(params), want, atol=2e-5)
+
+
+class _NnxAttentionLM(nnx.Module):
+    """A user's NNX model, no logical names: one Linear for q, k, v and sk.attention."""
+
+    def __init__(self, rngs: nnx.Rngs, vocab: int = 256, dim: int = 32, heads: int = 4):
+        self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+        self.qkv = nnx.Linear(dim, 3 * dim, rngs=rngs)
+        self.out = nnx.Linear(dim, vocab, rngs=rngs)
+        self.heads = heads
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        b, t, d = x.shape
+        q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * self.heads, d // self.heads), 3, axis=2)
+        return self.out(x + sk.attention(q, k, v, window=48, softcap=30.0, implementation="blocked").reshape(b, t, d))
+
+
+class _LinenAttentionLM(nn.Module):
+    """The same written in Linen, with DenseGeneral projections per head."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(256, 32)(tokens)
+        q, k, v = (nn.DenseGeneral((4, 8), name=n)(x) for n in "qkv")
+        y = sk.attention(q, k, v, window=48, softcap=30.0, implementation="blocked")
+        return nn.Dense(256)(x + nn.DenseGeneral(32, axis=(-2, -1))(y))
+
+
+@pytest.mark.parametrize("style", ["nnx", "linen"])
+def test_users_models_calling_sk_attention_train_as_one_device_in_linear_memory(style):
+    def model():
+        if style == "nnx":
+            return sk.from_nnx(_NnxAttentionLM)
+        return sk.from_linen(_LinenAttentionLM(), jnp.zeros((2, 16), jnp.int32))
+
+    data = sk.TextDataset.builtin()
+    batches = [data.batch(step, batch_size=8, seq_len=256) for step in range(2)]
+    one = sk.Trainer(model(), optax.adamw(1e-3), "data=1", devices=jax.devices()[:1])
+    sharded = sk.Trainer(model(), optax.adamw(1e-3), "data=4,fsdp=2")
+    np.testing.assert_allclose(run_trainer(sharded, batches)[0], run_trainer(one, batches)[0], rtol=2e-5)
+    temp = lambda t: sharded.report({"tokens": jax.ShapeDtypeStruct((8, t + 1), jnp.int32)}).memory.temp
+    assert temp(2048) < 5 * temp(512)  # 4x the tokens; every score formed would be 16x
