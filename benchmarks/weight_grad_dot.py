@@ -3,7 +3,7 @@
 JAX differentiates ``x (N, K) @ w (K, M)`` into a dot that writes the transposed weight
 ``(M, K)`` and a transpose after it; under data parallelism the gradient's all-reduce sits
 between the two and XLA keeps both. shardkit's GPT computes the gradient with
-``shardkit.models.gpt.rows_matmul``, whose dot writes the orientation with fewer rows (``(K, M)``
+``shardkit.models.layers.matmul.rows_matmul``, whose dot writes the orientation with fewer rows (``(K, M)``
 when ``K <= M``), the one Eigen runs faster.
 Both run on 2 simulated CPU devices, rows split over them (``data=2``), the steps of the two
 interleaved; the SwiGLU gate/up shape of ``benchmarks/cpu_vs_pytorch.py`` by default.
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardkit.analysis import hlo
-from shardkit.models.gpt import rows_matmul
+from shardkit.models.layers.matmul import rows_matmul
 
 
 def weight_grad_step(matmul, mesh: jax.sharding.Mesh):

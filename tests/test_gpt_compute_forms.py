@@ -15,7 +15,7 @@ import shardkit as sk
 from shardkit.analysis import hlo
 from shardkit.core.errors import ModelError
 from shardkit.models import GPTConfig
-from shardkit.models.gpt import rows_matmul, token_matmul, unsplit
+from shardkit.models.layers.matmul import rows_matmul, token_matmul, unsplit
 
 
 @pytest.mark.parametrize(

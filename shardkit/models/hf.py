@@ -24,7 +24,7 @@ Hugging Face (``model.layers.{i}.`` ...)       GPT (stacked over layers when ``s
 
 Query head ``h`` uses kv head ``h // G`` in both (Hugging Face's ``repeat_kv``). Hugging Face
 stores q and k in the rotate-half layout (the two halves of each head rotate together), which is
-what :func:`shardkit.models.gpt.rotary` computes, so no row permutation is needed.
+what :func:`shardkit.models.layers.rotary.rotary` computes, so no row permutation is needed.
 
 Each GPT parameter is a *view* of checkpoint tensors (:mod:`shardkit.models.hf_views`): a
 reshape of each tensor dimension into factors, a transpose, concatenations and a stack over

@@ -24,6 +24,14 @@ qwen3          per-head q/k RMSNorm, explicit ``head_dim``, no biases
 gemma2         GeGLU, ``(1 + w)`` norms, post-norms, sqrt(dim)-scaled embeddings, scores and
                logits soft-capped, alternating sliding/full layers, ``query_pre_attn_scalar``
 gemma3_text    Gemma 2 without soft caps, plus q/k norms and a rotary base per attention kind
+qwen3_moe      Qwen3 with top-k experts (``moe_intermediate_size``), normalised or not; dense
+               layers by ``mlp_only_layers`` / ``decoder_sparse_step``
+gpt_oss        attention sinks, biases on q/k/v/o, router and experts, alternating sliding and
+               full layers, a clamped SwiGLU (``swiglu_limit``), yarn
+deepseek_v3    multi-head latent attention (low-rank q and kv, decoupled interleaved rotary
+               dims), sigmoid scores with a correction bias, group-limited top-k, a routed
+               scaling factor, shared experts, the first ``first_k_dense_replace`` layers
+               dense, yarn with ``mscale_all_dim`` (Kimi K2 is this architecture)
 =============  ===========================================================================
 """
 
@@ -36,7 +44,9 @@ from typing import Any
 
 from shardkit.core.errors import ModelError, short_repr
 from shardkit.models.gpt import GPTConfig
-from shardkit.models.rope import ROPE_TYPES, RopeScaling
+from shardkit.models.layers.latent_attention import LatentConfig
+from shardkit.models.rope import ROPE_TYPES, RopeScaling, yarn_mscale
+from shardkit.parallel.experts import Router
 
 # Keys that cannot change the numbers computed from the weights.
 HARMLESS = frozenset(
@@ -116,6 +126,28 @@ FAMILIES: dict[str, tuple[str, frozenset[str]]] = {
         "Gemma3ForCausalLM",
         _GEMMA | {"rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"},
     ),
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        _QWEN
+        | {"attention_bias", "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "norm_topk_prob"}
+        | {"num_experts", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits"},
+    ),
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        _WINDOWED
+        | {"layer_types", "attention_bias", "num_local_experts", "num_experts_per_tok", "experts_per_token"}
+        | {"router_aux_loss_coef", "output_router_logits", "swiglu_limit", "swiglu_alpha", "initial_context_length"}
+        | {"quantization_config"},
+    ),
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        frozenset({"attention_bias", "first_k_dense_replace", "kv_lora_rank", "q_lora_rank", "qk_head_dim"})
+        | {"qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave", "moe_intermediate_size"}
+        | {"n_routed_experts", "num_local_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group"}
+        | {"norm_topk_prob", "routed_scaling_factor", "scoring_func", "topk_method", "moe_layer_freq"}
+        | {"num_nextn_predict_layers", "output_router_logits", "aux_loss_alpha", "seq_aux", "ep_size"}
+        | {"quantization_config"},
+    ),
 }
 # Keys whose absence would leave transformers to fill in a family default that is not the plain
 # one shardkit would assume: required rather than guessed.
@@ -134,6 +166,17 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "final_logit_softcapping",
     ),
     "gemma3_text": ("num_key_value_heads", "head_dim", "query_pre_attn_scalar", "sliding_window"),
+    "qwen3_moe": ("num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts_per_tok"),
+    "gpt_oss": ("num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok", "sliding_window"),
+    "deepseek_v3": (
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "moe_intermediate_size",
+        "num_experts_per_tok",
+        "first_k_dense_replace",
+    ),
 }
 _NOT_SUPPORTED = {
     "gemma": "Gemma 1 (no reference checkpoint to check it against yet); Gemma 2 and 3 are supported",
@@ -151,6 +194,7 @@ _ROPE_KEYS = frozenset(
         "original_max_position_embeddings",
     }
 )
+_YARN_KEYS = frozenset({"beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate", "attention_factor"})
 # GPTConfig fields that say how to train or compile, not what the model computes.
 TRAINING_FIELDS = frozenset(
     {"dropout", "dtype", "param_dtype", "scan_layers", "scan_unroll", "remat", "attention", "max_seq"}
@@ -194,7 +238,8 @@ def _rope_entry(kind: str, where: str, entry: Any) -> tuple[float | None, RopeSc
         return None, None
     if not isinstance(entry, Mapping):
         raise _refuse(kind, where, entry, "expected a mapping of rotary settings")
-    extra = sorted(set(entry) - _ROPE_KEYS - {"partial_rotary_factor"})
+    yarn = entry.get("rope_type", entry.get("type")) == "yarn"
+    extra = sorted(set(entry) - _ROPE_KEYS - {"partial_rotary_factor"} - (_YARN_KEYS if yarn else set()))
     if extra:
         raise _refuse(kind, where, entry, f"it has rotary settings shardkit does not know: {extra}")
     if float(entry.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -216,6 +261,18 @@ def _rope_entry(kind: str, where: str, entry: Any) -> tuple[float | None, RopeSc
             low_freq_factor=float(entry["low_freq_factor"]),
             high_freq_factor=float(entry["high_freq_factor"]),
             original_max_seq=int(entry["original_max_position_embeddings"]),
+        )
+    if rope_type == "yarn":
+        if "original_max_position_embeddings" not in entry:
+            raise _refuse(kind, where, entry, "yarn scaling needs original_max_position_embeddings")
+        fields.update(
+            original_max_seq=int(entry["original_max_position_embeddings"]),
+            beta_fast=float(entry.get("beta_fast") or 32.0),
+            beta_slow=float(entry.get("beta_slow") or 1.0),
+            mscale=float(entry.get("mscale") or 0.0),
+            mscale_all_dim=float(entry.get("mscale_all_dim") or 0.0),
+            truncate=bool(entry.get("truncate", True)),
+            attention_factor=float(entry.get("attention_factor") or 0.0),
         )
     return theta, RopeScaling(rope_type, **fields)
 
@@ -265,7 +322,7 @@ def _layer_types(kind: str, hf: Mapping[str, Any], layers: int, window: int | No
     elif kind == "gemma3_text":
         pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
         types = tuple("sliding" if (i + 1) % pattern else "full" for i in range(layers))
-    elif kind in ("qwen2", "qwen3"):
+    elif kind in ("qwen2", "qwen3", "qwen3_moe"):
         first = int(hf.get("max_window_layers", layers))
         types = tuple("sliding" if i >= first else "full" for i in range(layers))
     else:  # mistral, mixtral: every layer
@@ -277,7 +334,7 @@ def _layer_types(kind: str, hf: Mapping[str, Any], layers: int, window: int | No
 
 def _window(kind: str, hf: Mapping[str, Any]) -> int | None:
     window = hf.get("sliding_window")
-    if kind in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    if kind in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         return None
     return int(window) if window is not None else None
 
@@ -295,6 +352,22 @@ INTEGER_KEYS = (
     "sliding_window",
     "num_local_experts",
     "num_experts_per_tok",
+    "num_experts",
+    "experts_per_token",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "qk_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "n_shared_experts",
+    "n_group",
+    "topk_group",
+    "first_k_dense_replace",
+    "num_nextn_predict_layers",
+    "moe_layer_freq",
 )
 FLOAT_KEYS = (
     "rms_norm_eps",
@@ -305,6 +378,9 @@ FLOAT_KEYS = (
     "attention_dropout",
     "router_jitter_noise",
     "query_pre_attn_scalar",
+    "routed_scaling_factor",
+    "swiglu_limit",
+    "swiglu_alpha",
 )
 
 
@@ -334,8 +410,12 @@ def _check_values(kind: str, hf: Mapping[str, Any]) -> None:
             raise _refuse(kind, key, value, f"the {kind} MLP shardkit computes is gated by {activations[0]}")
         if value is not None and gemma:
             break  # hidden_activation wins over hidden_act, as in transformers
+    _check_mixture(kind, hf)
     refusals = {
-        "attention_bias": (bool(hf.get("attention_bias")), "the output projection would need a bias"),
+        "attention_bias": (
+            bool(hf.get("attention_bias")) and kind != "gpt_oss",
+            "the output projection would need a bias",
+        ),
         "mlp_bias": (bool(hf.get("mlp_bias")), "GPT's MLP has no biases"),
         "attention_dropout": (float(hf.get("attention_dropout") or 0.0) != 0.0, "GPT has no attention dropout"),
         "use_mrope": (bool(hf.get("use_mrope")), "multimodal rotary sections are not implemented"),
@@ -345,6 +425,111 @@ def _check_values(kind: str, hf: Mapping[str, Any]) -> None:
     for key, (refused, why) in refusals.items():
         if refused:
             raise _refuse(kind, key, hf.get(key), why)
+
+
+# What the families' mixtures compute, by the keys that choose it (anything else is refused by name).
+SCORING_FUNCS = ("sigmoid",)  # deepseek_v3: sigmoid scores, chosen with e_score_correction_bias
+TOPK_METHODS = ("noaux_tc",)  # deepseek_v3: group-limited top-k on the corrected scores
+
+
+def _check_mixture(kind: str, hf: Mapping[str, Any]) -> None:
+    """The keys of a mixture of experts whose values shardkit does not compute, refused by name."""
+    quantized = hf.get("quantization_config")
+    if quantized is not None:
+        method = quantized.get("quant_method") if isinstance(quantized, Mapping) else quantized
+        raise _refuse(
+            kind,
+            "quantization_config",
+            quantized,
+            f"its weights are stored quantized ({method}); shardkit reads floating-point weights. Dequantize them "
+            "first (transformers: load with the quantizer's dequantize option, e.g. Mxfp4Config(dequantize=True) "
+            "for gpt-oss, then save_pretrained), and drop quantization_config",
+        )
+    choices = {"scoring_func": SCORING_FUNCS, "topk_method": TOPK_METHODS}
+    for key, known in choices.items():
+        if key in hf and hf[key] not in known:
+            raise _refuse(kind, key, hf[key], f"shardkit computes {key} {' or '.join(map(repr, known))}")
+    if kind == "deepseek_v3" and int(hf.get("moe_layer_freq", 1)) != 1:
+        raise _refuse(kind, "moe_layer_freq", hf["moe_layer_freq"], "every layer after the dense ones must be routed")
+    pairs = (("num_experts", "num_local_experts"), ("experts_per_token", "num_experts_per_tok"))
+    for a, b in pairs:
+        if a in hf and b in hf and hf[a] != hf[b]:
+            raise _refuse(kind, a, hf[a], f"{b}={hf[b]} says otherwise; the two spellings must agree")
+    if kind == "deepseek_v3":
+        rope, nope = hf.get("qk_rope_head_dim"), hf.get("qk_nope_head_dim")
+        for key, want in (("qk_head_dim", (rope or 0) + (nope or 0)), ("head_dim", rope)):
+            if hf.get(key) is not None and hf[key] != want:
+                raise _refuse(kind, key, hf[key], f"DeepSeek-V3's is {want} (from qk_rope_head_dim and qk_nope_head_dim)")
+
+
+def _mixture_fields(kind: str, hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    """The GPTConfig fields of a qwen3_moe, gpt_oss or deepseek_v3 checkpoint beyond the decoder's."""
+    aux = float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0
+    if kind == "qwen3_moe":
+        experts = int(hf.get("num_experts", hf.get("num_local_experts", 128)))
+        step, only = int(hf.get("decoder_sparse_step", 1)), hf.get("mlp_only_layers") or []
+        if not isinstance(only, list) or any(not isinstance(i, int) for i in only):
+            raise _refuse(kind, "mlp_only_layers", only, "expected a list of layer numbers")
+        dense = tuple(i for i in range(layers) if i in only or not experts or (i + 1) % step)
+        return dict(
+            n_experts=experts,
+            top_k=int(hf["num_experts_per_tok"]),
+            moe_mlp_dim=int(hf["moe_intermediate_size"]),
+            dense_layers=dense,
+            router=Router(normalize=bool(hf.get("norm_topk_prob", False))),
+            moe_dropless=True,
+            aux_loss_weight=aux,
+        )
+    if kind == "gpt_oss":
+        return dict(
+            n_experts=int(hf["num_local_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            router=Router(logit_bias=True),
+            expert_bias=True,
+            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+            qkv_bias=bool(hf.get("attention_bias", True)),
+            attn_out_bias=bool(hf.get("attention_bias", True)),
+            attn_sinks=True,
+            moe_dropless=True,
+            aux_loss_weight=aux,
+        )
+    # deepseek_v3
+    first_dense = int(hf["first_k_dense_replace"])
+    groups = (int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1))
+    return dict(
+        n_experts=int(hf.get("n_routed_experts", hf.get("num_local_experts", 256))),
+        top_k=int(hf["num_experts_per_tok"]),
+        moe_mlp_dim=int(hf["moe_intermediate_size"]),
+        dense_layers=tuple(range(min(first_dense, layers))),
+        shared_experts=int(hf.get("n_shared_experts") or 0),
+        router=Router(
+            score="sigmoid",
+            normalize=bool(hf.get("norm_topk_prob", True)),
+            scale=float(hf.get("routed_scaling_factor", 1.0)),
+            groups=groups,
+            score_bias=True,
+        ),
+        latent=LatentConfig(
+            kv_rank=int(hf["kv_lora_rank"]),
+            q_rank=int(hf.get("q_lora_rank") or 0),
+            rope_dim=int(hf["qk_rope_head_dim"]),
+            nope_dim=int(hf["qk_nope_head_dim"]),
+            v_dim=int(hf["v_head_dim"]),
+            interleaved=bool(hf.get("rope_interleave", True)),
+        ),
+        moe_dropless=True,
+        aux_loss_weight=0.0,  # DeepSeek-V3 balances by its correction bias, not a loss
+    )
+
+
+def _latent_query_scale(hf: Mapping[str, Any], scaling: RopeScaling | None) -> float:
+    """DeepSeek's softmax scale: ``qk_head_dim ** -0.5``, times yarn's ``mscale(factor, mscale_all_dim)``
+    squared (its non-rotary dimensions are scaled too)."""
+    scale = float(int(hf["qk_nope_head_dim"]) + int(hf["qk_rope_head_dim"])) ** -0.5
+    if scaling is not None and scaling.kind != "default" and scaling.mscale_all_dim:
+        scale *= yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+    return scale
 
 
 def gpt_config(hf: Mapping[str, Any], **overrides: Any) -> GPTConfig:
@@ -398,7 +583,7 @@ def gpt_config(hf: Mapping[str, Any], **overrides: Any) -> GPTConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
         qkv_bias=kind == "qwen2",
         attn_head_dim=int(hf["head_dim"]) if hf.get("head_dim") is not None else None,
-        qk_norm=kind in ("qwen3", "gemma3_text"),
+        qk_norm=kind in ("qwen3", "gemma3_text", "qwen3_moe"),
         sliding_window=window if "sliding" in types else None,
         layer_types=types if len(set(types)) > 1 else (),
     )
@@ -413,6 +598,13 @@ def gpt_config(hf: Mapping[str, Any], **overrides: Any) -> GPTConfig:
             attn_softcap=_optional_float(hf.get("attn_logit_softcapping")),
             final_softcap=_optional_float(hf.get("final_logit_softcapping")),
         )
+    if kind in ("qwen3_moe", "gpt_oss", "deepseek_v3"):
+        fields.update(_mixture_fields(kind, hf, layers))
+        if fields.get("dense_layers") and len(fields["dense_layers"]) < layers:
+            fields["scan_layers"] = False  # dense and routed layers differ: no one scanned body
+    if kind == "deepseek_v3":
+        latent = fields["latent"]
+        fields.update(attn_head_dim=latent.qk_dim, query_scale=_latent_query_scale(hf, scaling))
     if kind == "mixtral":
         fields.update(
             n_experts=int(hf.get("num_local_experts", 8)),

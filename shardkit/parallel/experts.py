@@ -10,6 +10,7 @@ each sequence alone, so every layout routes (and drops) exactly the same tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -96,7 +97,15 @@ def load_apart(outputs: Any) -> tuple[Any, dict[str, jax.Array]]:
 
 
 def route_tokens(
-    logits: jax.Array, top_k: int, capacity: int, score: str = "softmax", bias: jax.Array | None = None
+    logits: jax.Array,
+    top_k: int,
+    capacity: int,
+    score: str = "softmax",
+    bias: jax.Array | None = None,
+    *,
+    normalize: bool = True,
+    scale: float = 1.0,
+    groups: tuple[int, int] = (1, 1),
 ) -> Routing:
     """Top-k routing with a per-expert capacity, first choices first (later tokens are dropped).
 
@@ -104,12 +113,24 @@ def route_tokens(
       logits: router logits ``(G, S, E)`` for ``G`` groups of ``S`` tokens.
       top_k: experts per token.
       capacity: slots per expert and group.
-      score: ``"softmax"`` (Mixtral, GShard) or ``"sigmoid"`` (DeepSeek-V3) of the logits.
+      score: ``"softmax"`` (Mixtral, GShard, Qwen3-MoE, gpt-oss) or ``"sigmoid"`` (DeepSeek-V3)
+        of the logits.
       bias: ``(E,)`` added to the scores to choose the experts, not to weigh them: DeepSeek-V3's
         auxiliary-loss-free balancing (:func:`balance_bias` updates it from the load).
+      normalize: the chosen experts' scores rescaled to sum to 1 (else the scores as they are:
+        Qwen3-MoE's ``norm_topk_prob=false``).
+      scale: the weights multiplied by it (DeepSeek-V3's ``routed_scaling_factor``).
+      groups: ``(n_group, topk_group)``: the experts split into ``n_group`` equal groups, each
+        scored by the sum of its two best, and a token chooses among the ``topk_group`` best
+        groups' experts only (DeepSeek-V3's group-limited routing; ``(1, 1)``: no limit).
 
     Returns:
-      A :class:`Routing`; the chosen experts' scores normalised to sum to 1 weigh their outputs.
+      A :class:`Routing`; the chosen experts' (normalised, scaled) scores weigh their outputs.
+
+    Example:
+      >>> r = route_tokens(jnp.array([[[4.0, 1.0, 3.0, 2.0]]]), 1, 1, "sigmoid", groups=(2, 1))
+      >>> r.dispatch[0, 0, :, 0].tolist()  # groups {0, 1} and {2, 3}: 4 + 1 > 3 + 2
+      [1.0, 0.0, 0.0, 0.0]
     """
     g, s, e = logits.shape
     if score not in ("softmax", "sigmoid"):
@@ -117,9 +138,14 @@ def route_tokens(
     logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)  # (G, S, E)
     chooser = probs if bias is None else probs + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    if groups != (1, 1):
+        chooser = _best_groups_only(chooser, *groups)
     _, experts = top_k_by_rows(chooser, top_k)  # (G, S, k)
     gates = jnp.take_along_axis(probs, experts, axis=-1)
-    gates = gates / gates.sum(axis=-1, keepdims=True)
+    if normalize:
+        gates = gates / (gates.sum(axis=-1, keepdims=True) + (1e-20 if score == "sigmoid" else 0.0))
+    if scale != 1.0:
+        gates = gates * scale
     choice = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # (G, S, k, E)
     # Slots are filled by all first choices (in token order), then all second choices, ...
     order = choice.transpose(0, 2, 1, 3).reshape(g, top_k * s, e)
@@ -134,6 +160,22 @@ def route_tokens(
     routed = choice.sum(axis=(0, 1, 2))  # (E,)
     dropped = 1.0 - kept.sum() / (g * s * top_k)
     return Routing(dispatch, combine, aux, routed, dropped)
+
+
+def _best_groups_only(chooser: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """``chooser (G, S, E)`` with the experts outside each token's ``topk_group`` best groups set
+    to -inf; a group's score is the sum of its two best experts' (one, for groups of one)."""
+    *lead, e = chooser.shape
+    if e % n_group or not 1 <= topk_group <= n_group:
+        raise InputError(
+            f"route_tokens: {e} experts in n_group={n_group} groups keeping topk_group={topk_group}; n_group must "
+            f"divide the experts and 1 <= topk_group <= n_group."
+        )
+    grouped = chooser.reshape(*lead, n_group, e // n_group)
+    best, _ = top_k_by_rows(grouped, min(2, e // n_group))
+    _, kept = top_k_by_rows(best.sum(axis=-1), topk_group)  # (G, S, topk_group)
+    keep = jax.nn.one_hot(kept, n_group, dtype=jnp.bool_).any(axis=-2)  # (G, S, n_group)
+    return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(chooser.shape)
 
 
 def route(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -202,6 +244,13 @@ def moe_layer(
     score: str = "softmax",
     bias: jax.Array | None = None,
     activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+    glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    router_bias: jax.Array | None = None,
+    in_bias: jax.Array | None = None,
+    out_bias: jax.Array | None = None,
+    normalize: bool = True,
+    scale: float = 1.0,
+    groups: tuple[int, int] = (1, 1),
 ) -> tuple[jax.Array, Routing]:
     """A mixture of experts as one call: routing, dispatch, the experts, combine, under any layout.
 
@@ -224,6 +273,11 @@ def moe_layer(
       bias: ``(E,)`` score bias that chooses experts without weighing them (auxiliary-loss-free
         balancing; :func:`balance_bias`).
       activation: the experts' nonlinearity.
+      glu: ``(gate, up) -> hidden`` of gated units, in place of ``activation(gate) * up``
+        (gpt-oss's clamped SwiGLU).
+      router_bias: ``(E,)`` added to the router logits (gpt-oss).
+      in_bias, out_bias: the experts' biases, ``(E, 2, F)`` (or ``(E, F)``) and ``(E, D)``.
+      normalize, scale, groups: how the chosen experts' scores weigh them (:func:`route_tokens`).
 
     Returns:
       ``(y (B, T, D), routing)``: :class:`Routing` with the load-balancing loss, the pairs
@@ -242,17 +296,27 @@ def moe_layer(
     capacity = t if dropless else max(1, math.ceil(capacity_factor * t * top_k / e))
     with jax.named_scope("router"):
         logits = x.astype(jnp.float32) @ router.astype(jnp.float32)  # (B, T, E)
-        routing = route_tokens(logits, top_k, capacity, score, bias)
+        if router_bias is not None:
+            logits = logits + router_bias.astype(jnp.float32)
+        routing = route_tokens(
+            logits, top_k, capacity, score, bias, normalize=normalize, scale=scale, groups=groups
+        )
     with jax.named_scope("dispatch"):
         buffers = jnp.einsum("gsec,gsd->egcd", routing.dispatch.astype(x.dtype), x)  # (E, B, C, D), local tokens
         buffers = exchange(buffers, to_experts=True)
     with jax.named_scope("experts"):
         if w_in.ndim == 4:
             h = jnp.einsum("egcd,edxf->egcxf", buffers, w_in.astype(x.dtype))  # (E, B, C, 2, F)
-            h = activation(h[..., 0, :]) * h[..., 1, :]  # (E, B, C, F)
+            if in_bias is not None:
+                h = h + in_bias.astype(x.dtype)[:, None, None]
+            gate, up = h[..., 0, :], h[..., 1, :]
+            h = glu(gate, up) if glu is not None else activation(gate) * up  # (E, B, C, F)
         else:
-            h = activation(jnp.einsum("egcd,edf->egcf", buffers, w_in.astype(x.dtype)))  # (E, B, C, F)
+            h = jnp.einsum("egcd,edf->egcf", buffers, w_in.astype(x.dtype))
+            h = activation(h if in_bias is None else h + in_bias.astype(x.dtype)[:, None, None])  # (E, B, C, F)
         out = jnp.einsum("egcf,efd->egcd", h, w_out.astype(x.dtype))  # (E, B, C, D)
+        if out_bias is not None:  # on empty slots too: their combine weight is 0
+            out = out + out_bias.astype(x.dtype)[:, None, None]
         out = exchange(out, to_experts=False)
     with jax.named_scope("combine"):
         y = jnp.einsum("gsec,egcd->gsd", routing.combine.astype(x.dtype), out)  # (B, T, D)
@@ -282,13 +346,54 @@ def _check_layer(
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Router:
+    """How a :class:`MoE` chooses and weighs its experts beyond top-k (the families differ here).
+
+    Attributes:
+      score: ``"softmax"`` or ``"sigmoid"`` of the router logits.
+      normalize: the chosen scores rescaled to sum to 1.
+      scale: the weights multiplied by it (DeepSeek-V3's ``routed_scaling_factor``).
+      groups: ``(n_group, topk_group)`` of group-limited routing (:func:`route_tokens`).
+      logit_bias: a trained ``(E,)`` bias on the logits (gpt-oss).
+      score_bias: an ``(E,)`` bias that chooses without weighing (DeepSeek-V3's
+        ``e_score_correction_bias``), moved by :func:`balance_bias`, not by gradients.
+    """
+
+    score: str = "softmax"
+    normalize: bool = True
+    scale: float = 1.0
+    groups: tuple[int, int] = (1, 1)
+    logit_bias: bool = False
+    score_bias: bool = False
+
+
+def clamped_swiglu(limit: float, alpha: float) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """gpt-oss's gated unit: ``(up + 1) * g * sigmoid(alpha g)``, the gate clamped above at
+    ``limit`` and ``up`` to ``[-limit, limit]``.
+
+    Example:
+      >>> clamped_swiglu(7.0, 1.702)(jnp.array([10.0]), jnp.array([-9.0])).round(3).tolist()
+      [-42.0]
+    """
+
+    def glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+    return glu
+
+
 class MoE(nnx.Module):
     """SwiGLU experts behind a top-k router. ``(B, T, D) -> ((B, T, D), ExpertLoad)`` (one layer's:
     a scalar loss, ``(E,)`` tokens, scalar dropped and routed pairs).
 
     ``dropless``: every expert has a slot for every token of its group (memory and FLOPs of
     ``E / top_k`` times the even share), so no token is dropped and the result is that of
-    routing each token to its top-k experts with no capacity at all.
+    routing each token to its top-k experts with no capacity at all. ``router``: how experts
+    are chosen and weighed (:class:`Router`); ``expert_bias``: biases on the experts' units and
+    outputs; ``glu``: the gated unit (default ``silu(gate) * up``).
     """
 
     def __init__(
@@ -301,9 +406,17 @@ class MoE(nnx.Module):
         param_dtype: str,
         rngs: nnx.Rngs,
         dropless: bool = False,
+        router: Router = Router(),
+        expert_bias: bool = False,
+        glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     ):
         init, dt = nnx.initializers.lecun_normal(), jnp.dtype(param_dtype)
+        zeros = nnx.initializers.zeros
         self.router = nnx.Param(logical(init, ("embed", None))(rngs.params(), (dim, n_experts), dt))
+        if router.logit_bias:
+            self.router_bias = nnx.Param(logical(zeros, (None,))(rngs.params(), (n_experts,), dt))
+        if router.score_bias:
+            self.score_bias = nnx.Param(logical(zeros, (None,))(rngs.params(), (n_experts,), dt))
         gate_up_init = nnx.initializers.lecun_normal(in_axis=1, out_axis=(2, 3), batch_axis=(0,))
         self.w_gate_up = nnx.Param(
             logical(gate_up_init, ("experts", "embed", None, "mlp"))(rngs.params(), (n_experts, dim, 2, hidden), dt)
@@ -312,8 +425,11 @@ class MoE(nnx.Module):
         self.w_down = nnx.Param(
             logical(down_init, ("experts", "mlp", "embed"))(rngs.params(), (n_experts, hidden, dim), dt)
         )
+        if expert_bias:
+            self.b_gate_up = nnx.Param(logical(zeros, ("experts", None, "mlp"))(rngs.params(), (n_experts, 2, hidden), dt))
+            self.b_down = nnx.Param(logical(zeros, ("experts", "embed"))(rngs.params(), (n_experts, dim), dt))
         self.top_k, self.capacity_factor, self.n_experts = top_k, capacity_factor, n_experts
-        self.dropless = dropless
+        self.dropless, self.routing, self.glu = dropless, router, glu
 
     def capacity(self, tokens_per_group: int) -> int:
         """Slots per expert and group. Dropless: one per token of the group, since a token
@@ -323,6 +439,7 @@ class MoE(nnx.Module):
         return max(1, math.ceil(self.capacity_factor * tokens_per_group * self.top_k / self.n_experts))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ExpertLoad]:
+        optional = lambda name: getattr(self, name)[...] if hasattr(self, name) else None  # noqa: E731
         y, routing = moe_layer(
             x,
             self.router[...],
@@ -331,6 +448,15 @@ class MoE(nnx.Module):
             top_k=self.top_k,
             capacity_factor=self.capacity_factor,
             dropless=self.dropless,
+            score=self.routing.score,
+            bias=optional("score_bias"),
+            glu=self.glu,
+            router_bias=optional("router_bias"),
+            in_bias=optional("b_gate_up"),
+            out_bias=optional("b_down"),
+            normalize=self.routing.normalize,
+            scale=self.routing.scale,
+            groups=self.routing.groups,
         )
         pairs = jnp.asarray(routing.dispatch.shape[0] * routing.dispatch.shape[1] * self.top_k, jnp.float32)
         load = ExpertLoad(
