@@ -164,7 +164,7 @@ def test_an_unknown_key_is_refused_by_name(family):
     "family, change, words",
     [
         ("llama3", {"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}}, "longrope"),
-        ("llama3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "original_max_position"),
+        ("llama3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "original_max_"),
         ("llama3", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}}, "low_freq_factor"),
         ("llama3", {"rope_theta": 10000.0}, "two spellings must agree"),
         ("llama3", {"rope_parameters": {"rope_theta": 1e4, "mscale": 1.0}}, "mscale"),

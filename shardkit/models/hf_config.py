@@ -459,7 +459,8 @@ def _check_mixture(kind: str, hf: Mapping[str, Any]) -> None:
         rope, nope = hf.get("qk_rope_head_dim"), hf.get("qk_nope_head_dim")
         for key, want in (("qk_head_dim", (rope or 0) + (nope or 0)), ("head_dim", rope)):
             if hf.get(key) is not None and hf[key] != want:
-                raise _refuse(kind, key, hf[key], f"DeepSeek-V3's is {want} (from qk_rope_head_dim and qk_nope_head_dim)")
+                why = f"DeepSeek-V3's is {want} (from qk_rope_head_dim and qk_nope_head_dim)"
+                raise _refuse(kind, key, hf[key], why)
 
 
 def _mixture_fields(kind: str, hf: Mapping[str, Any], layers: int) -> dict[str, Any]:

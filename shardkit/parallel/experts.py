@@ -298,9 +298,7 @@ def moe_layer(
         logits = x.astype(jnp.float32) @ router.astype(jnp.float32)  # (B, T, E)
         if router_bias is not None:
             logits = logits + router_bias.astype(jnp.float32)
-        routing = route_tokens(
-            logits, top_k, capacity, score, bias, normalize=normalize, scale=scale, groups=groups
-        )
+        routing = route_tokens(logits, top_k, capacity, score, bias, normalize=normalize, scale=scale, groups=groups)
     with jax.named_scope("dispatch"):
         buffers = jnp.einsum("gsec,gsd->egcd", routing.dispatch.astype(x.dtype), x)  # (E, B, C, D), local tokens
         buffers = exchange(buffers, to_experts=True)
@@ -426,7 +424,8 @@ class MoE(nnx.Module):
             logical(down_init, ("experts", "mlp", "embed"))(rngs.params(), (n_experts, hidden, dim), dt)
         )
         if expert_bias:
-            self.b_gate_up = nnx.Param(logical(zeros, ("experts", None, "mlp"))(rngs.params(), (n_experts, 2, hidden), dt))
+            b_gate_up = logical(zeros, ("experts", None, "mlp"))(rngs.params(), (n_experts, 2, hidden), dt)
+            self.b_gate_up = nnx.Param(b_gate_up)
             self.b_down = nnx.Param(logical(zeros, ("experts", "embed"))(rngs.params(), (n_experts, dim), dt))
         self.top_k, self.capacity_factor, self.n_experts = top_k, capacity_factor, n_experts
         self.dropless, self.routing, self.glu = dropless, router, glu
@@ -439,7 +438,7 @@ class MoE(nnx.Module):
         return max(1, math.ceil(self.capacity_factor * tokens_per_group * self.top_k / self.n_experts))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ExpertLoad]:
-        optional = lambda name: getattr(self, name)[...] if hasattr(self, name) else None  # noqa: E731
+        optional = lambda name: getattr(self, name)[...] if hasattr(self, name) else None
         y, routing = moe_layer(
             x,
             self.router[...],
