@@ -147,8 +147,9 @@ class Tensors:
 # -- in ----------------------------------------------------------------------------------------
 
 
-def check_tensors(tensors: Tensors, cfg: GPTConfig) -> None:
-    """Every tensor the config needs is there with its shape, and nothing unexplained is left over."""
+def check_tensors(tensors: Tensors, cfg: GPTConfig, drop_mtp: bool = False) -> None:
+    """Every tensor the config needs is there with its shape, and nothing unexplained is left over
+    (``drop_mtp``: but for the layers past the last, DeepSeek-V3's multi-token prediction)."""
     needed = {name: shape for view in views(cfg).values() for name, shape in view.sources().items()}
     missing = sorted(set(needed) - tensors.names)
     if missing:
@@ -156,15 +157,42 @@ def check_tensors(tensors: Tensors, cfg: GPTConfig) -> None:
             f"{tensors.directory} lacks {len(missing)} tensors its config.json implies, e.g. {missing[:3]}."
         )
     for name, shape in needed.items():
+        if name in _VOCAB_TABLES and tensors.shape(name) != shape and tensors.shape(name)[1:] == shape[1:]:
+            raise CheckpointError(
+                f"{tensors.directory}: {name} has {tensors.shape(name)[0]} rows (tokens) but config.json's vocab_size "
+                f"is {cfg.vocab}; they must be equal. Fix vocab_size in config.json to the table's rows (a resized "
+                "embedding saved without its config), or export the checkpoint again."
+            )
         if tensors.shape(name) != shape:
             raise CheckpointError(f"{name} has shape {tensors.shape(name)}; config.json implies {shape}.")
     check_dtypes(tensors, needed)
     extra = sorted(n for n in tensors.names - set(needed) if not n.endswith(_IGNORED_SUFFIXES))
+    predicting = [n for n in extra if _layer_of(n) is not None and _layer_of(n) >= cfg.n_layers]  # type: ignore[operator]
+    if predicting and not drop_mtp:
+        layers = sorted({_layer_of(n) for n in predicting})  # type: ignore[type-var]
+        raise CheckpointError(
+            f"{tensors.directory} has {len(predicting)} tensors of layer(s) {layers} past its {cfg.n_layers} "
+            f"decoder layers, e.g. {predicting[:2]}: the multi-token-prediction module DeepSeek-V3 ships "
+            "(num_nextn_predict_layers). shardkit trains next-token prediction only; import without it with "
+            "drop_mtp=True (sk.from_pretrained(..., drop_mtp=True))."
+        )
+    extra = [n for n in extra if n not in predicting]
     if extra:
         raise CheckpointError(
             f"{tensors.directory} has {len(extra)} tensors GPT has no place for, e.g. {extra[:3]} "
             "(a bias or layer this architecture does not have)."
         )
+
+
+_VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _layer_of(name: str) -> int | None:
+    """The layer number of a ``model.layers.{i}.`` tensor name, else None."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2])
+    return None
 
 
 def check_dtypes(tensors: Tensors, names: Any) -> None:
@@ -199,7 +227,7 @@ def read_settings(path: pathlib.Path, where: str) -> dict[str, Any]:
     return settings
 
 
-def load_params(directory: str | os.PathLike[str], cfg: GPTConfig, shardings: Any) -> Any:
+def load_params(directory: str | os.PathLike[str], cfg: GPTConfig, shardings: Any, drop_mtp: bool = False) -> Any:
     """GPT parameters read from a checkpoint, each born sharded: a process reads only the
     blocks of the tensors its own devices hold.
 
@@ -208,12 +236,14 @@ def load_params(directory: str | os.PathLike[str], cfg: GPTConfig, shardings: An
       cfg: the GPT config (from :func:`gpt_config` of its ``config.json``).
       shardings: a tree of ``jax.sharding.Sharding`` shaped like the GPT's parameters
         (``trainer.state_shardings.params``).
+      drop_mtp: leave out the layers past ``cfg.n_layers`` (DeepSeek-V3's multi-token-prediction
+        module); without it they are refused by name.
 
     Returns:
       The parameter tree, in ``cfg.param_dtype``.
     """
     tensors = Tensors(directory)
-    check_tensors(tensors, cfg)
+    check_tensors(tensors, cfg, drop_mtp)
     dtype = _numpy_dtype(cfg.param_dtype)
     return read_sharded(tensors, views(cfg), shardings, lambda _: dtype)
 

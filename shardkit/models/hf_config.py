@@ -664,6 +664,12 @@ def math_of(cfg: GPTConfig) -> dict[str, Any]:
 
 def family_of(cfg: GPTConfig) -> str:
     """The Hugging Face family whose config expresses ``cfg`` (checked by :func:`hf_config`)."""
+    if cfg.latent is not None:
+        return "deepseek_v3"
+    if cfg.attn_sinks:
+        return "gpt_oss"
+    if cfg.n_experts and cfg.qk_norm:
+        return "qwen3_moe"
     if cfg.n_experts:
         return "mixtral"
     if cfg.post_norms:
@@ -685,7 +691,62 @@ def _rope_scaling_dict(scaling: RopeScaling | None) -> dict[str, Any] | None:
             high_freq_factor=scaling.high_freq_factor,
             original_max_position_embeddings=scaling.original_max_seq,
         )
+    if scaling.kind == "yarn":
+        out.update(
+            original_max_position_embeddings=scaling.original_max_seq,
+            beta_fast=scaling.beta_fast,
+            beta_slow=scaling.beta_slow,
+            truncate=scaling.truncate,
+            **{k: getattr(scaling, k) for k in ("mscale", "mscale_all_dim", "attention_factor") if getattr(scaling, k)},
+        )
     return out
+
+
+def _mixture_config(kind: str, cfg: GPTConfig) -> dict[str, Any]:
+    """The keys of a qwen3_moe, gpt_oss or deepseek_v3 ``config.json`` that say what ``cfg``'s
+    experts (and latent attention) compute."""
+    common = dict(num_experts_per_tok=cfg.top_k, output_router_logits=cfg.aux_loss_weight > 0)
+    if kind == "qwen3_moe":
+        return dict(
+            common,
+            num_experts=cfg.n_experts,
+            moe_intermediate_size=cfg.expert_dim,
+            norm_topk_prob=cfg.router.normalize,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(cfg.dense_layers),
+            router_aux_loss_coef=cfg.aux_loss_weight,
+        )
+    if kind == "gpt_oss":
+        return dict(
+            common,
+            num_local_experts=cfg.n_experts,
+            attention_bias=cfg.qkv_bias,
+            swiglu_limit=cfg.swiglu_limit,
+            swiglu_alpha=cfg.swiglu_alpha,
+            router_aux_loss_coef=cfg.aux_loss_weight,
+        )
+    lat = cfg.latent
+    assert lat is not None
+    return dict(
+        common,
+        head_dim=lat.rope_dim,
+        kv_lora_rank=lat.kv_rank,
+        q_lora_rank=lat.q_rank or None,
+        qk_rope_head_dim=lat.rope_dim,
+        qk_nope_head_dim=lat.nope_dim,
+        v_head_dim=lat.v_dim,
+        rope_interleave=lat.interleaved,
+        moe_intermediate_size=cfg.expert_dim,
+        n_routed_experts=cfg.n_experts,
+        n_shared_experts=cfg.shared_experts,
+        n_group=cfg.router.groups[0],
+        topk_group=cfg.router.groups[1],
+        norm_topk_prob=cfg.router.normalize,
+        routed_scaling_factor=cfg.router.scale,
+        first_k_dense_replace=len(cfg.dense_layers),
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+    )
 
 
 def new_config(cfg: GPTConfig, dtype: str) -> dict[str, Any]:
@@ -726,7 +787,11 @@ def new_config(cfg: GPTConfig, dtype: str) -> dict[str, Any]:
         out["hidden_act"] = "silu"
     if kind in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window
-    if kind in ("qwen2", "qwen3"):
+    if kind in ("qwen3_moe", "gpt_oss", "deepseek_v3"):
+        out.update(_mixture_config(kind, cfg))
+    if kind == "gpt_oss":
+        out.update(sliding_window=cfg.sliding_window, layer_types=kinds)
+    if kind in ("qwen2", "qwen3", "qwen3_moe"):
         out.update(
             use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window, layer_types=kinds
         )

@@ -165,6 +165,7 @@ def load_with_adapters(
     shardings: Any,
     seed: int = 0,
     adapter: str | os.PathLike[str] | None = None,
+    drop_mtp: bool = False,
 ) -> Any:
     """A GPT's parameters, each born sharded: the base from its Hugging Face checkpoint, the
     adapters (``cfg.lora``) from ``adapter`` (peft's directory) or new (A drawn from ``seed``,
@@ -177,6 +178,7 @@ def load_with_adapters(
       shardings: the parameters' shardings (``trainer.state_shardings.params``).
       seed: as :meth:`shardkit.Trainer.init` takes it.
       adapter: peft's adapter directory, or None.
+      drop_mtp: leave out DeepSeek-V3's multi-token-prediction layers (:func:`shardkit.models.hf.load_params`).
     """
     from shardkit.models import hf
 
@@ -184,7 +186,7 @@ def load_with_adapters(
     if adapter is not None:  # refused before a weight is read: the adapter fits this base or says why not
         views, tensors = adapter_views(cfg), hf.Tensors(adapter)
         check_adapter(tensors, views, base)
-    params = hf.load_params(base, dataclasses.replace(cfg, lora=None), base_shardings)
+    params = hf.load_params(base, dataclasses.replace(cfg, lora=None), base_shardings, drop_mtp)
     if cfg.lora is None:
         return params
     if adapter is not None:

@@ -92,10 +92,12 @@ def from_pretrained(
     seed: int = 0,
     adapter: str | os.PathLike[str] | None = None,
     lora: LoRA | None = None,
+    drop_mtp: bool = False,
     **options: Any,
 ) -> Pretrained:
     """A trainer of shardkit's GPT and a state holding a Hugging Face checkpoint's weights: Llama 2/3.x,
-    Mistral, Mixtral, Qwen2/2.5, Qwen3, Gemma 2 or Gemma 3 (:mod:`shardkit.models.hf_config`).
+    Mistral, Mixtral, Qwen2/2.5, Qwen3, Gemma 2 or 3, Qwen3-MoE, gpt-oss, DeepSeek-V3 or Kimi K2
+    (:mod:`shardkit.models.hf_config`).
 
     Every parameter is read straight into its shards: each process reads only the blocks of the
     ``.safetensors`` tensors its devices hold, so no host ever holds the whole model.
@@ -108,6 +110,8 @@ def from_pretrained(
       adapter: a directory peft saved a LoRA adapter of this checkpoint in: the adapter is read
         onto the frozen base and trains on (:mod:`shardkit.models.peft`).
       lora: new LoRA adapters (:class:`shardkit.models.LoRA`) on the frozen base: only they train.
+      drop_mtp: import a DeepSeek-V3 checkpoint without its multi-token-prediction layers (the
+        layers past ``num_hidden_layers``), which are otherwise refused by name.
       **options: GPTConfig fields that say how to train (``param_dtype``, ``dtype``,
         ``scan_layers``, ``scan_unroll``, ``remat``, ``dropout``, ``attention``, ``max_seq``,
         ``aux_loss_weight``; ``moe_dropless``/``capacity_factor`` to route as shardkit's MoE does);
@@ -132,5 +136,5 @@ def from_pretrained(
     cfg: GPTConfig = hf.gpt_config(hf_config, **model_options, lora=lora)
     model = cfg.model(name=str(hf_config.get("model_type", "GPT")))
     trainer = Trainer(model, optimizer if optimizer is not None else optax.adamw(1e-5), layout, **options)
-    params = peft.load_with_adapters(path, cfg, model, trainer.state_shardings.params, seed, adapter)
+    params = peft.load_with_adapters(path, cfg, model, trainer.state_shardings.params, seed, adapter, drop_mtp)
     return Pretrained(trainer, trainer.init(seed, params=params), cfg, hf_config, str(path))
