@@ -54,7 +54,7 @@ def test_logits_are_transformers_on_one_device_and_under_expert_and_tensor_layou
 def test_what_each_family_reads_is_the_reference_config():
     qwen = hf.gpt_config(config_of("qwen3_moe"))
     assert (qwen.dense_layers, qwen.expert_dim, qwen.mlp_dim, qwen.router.normalize) == ((0,), 32, 96, True)
-    assert qwen.qk_norm and not qwen.scan_layers  # a dense layer 0 and routed 1, 2: no one scanned body
+    assert qwen.qk_norm and qwen.layer_stacks() == (("dense_blocks", range(1)), ("blocks", range(1, 3)))
     oss = hf.gpt_config(config_of("gpt_oss"))
     assert oss.attn_sinks and oss.qkv_bias and oss.attn_out_bias and oss.expert_bias and oss.router.logit_bias
     assert oss.sliding_layers == (True, False, True) and oss.swiglu_limit == 7.0 and oss.scan_layers

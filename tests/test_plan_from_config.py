@@ -26,6 +26,15 @@ PUBLISHED_PARAMS = {
     "mixtral-8x7b": 46.70e9,
     "qwen3-32b": 32.8e9,
     "gemma-3-27b": 27.016e9,
+    # The mixtures: the model cards' totals (Qwen3's "30.5B" and "235B" with 235.1B in its report's
+    # table, gpt-oss's 20.9B and 116.8B, DeepSeek-V3's 671B of main model, Kimi K2's 1.04T
+    # reported as 1,026B of weights).
+    "qwen3-30b-a3b": 30.5e9,
+    "qwen3-235b-a22b": 235.1e9,
+    "gpt-oss-20b": 20.9e9,
+    "gpt-oss-120b": 116.8e9,
+    "deepseek-v3": 671.0e9,
+    "kimi-k2": 1026e9,
 }
 FAMILY = {
     "llama-3.1-8b": "llama",
@@ -34,6 +43,12 @@ FAMILY = {
     "mixtral-8x7b": "mixtral",
     "qwen3-32b": "qwen3",
     "gemma-3-27b": "gemma3_text",
+    "qwen3-30b-a3b": "qwen3_moe",
+    "qwen3-235b-a22b": "qwen3_moe",
+    "gpt-oss-20b": "gpt_oss",
+    "gpt-oss-120b": "gpt_oss",
+    "deepseek-v3": "deepseek_v3",
+    "kimi-k2": "deepseek_v3",
 }
 
 

@@ -55,7 +55,10 @@ RESUMABLE_SETTINGS = frozenset(
 
 
 # The configs of real sizes in shardkit/models/published/ (dryrun, inspect and plan read them by name).
-SHIPPED_CONFIGS = "llama-3.1-8b, llama-3.1-70b, llama-3.1-405b, mixtral-8x7b, qwen3-32b, gemma-3-27b"
+SHIPPED_CONFIGS = (
+    "llama-3.1-8b, llama-3.1-70b, llama-3.1-405b, mixtral-8x7b, qwen3-32b, gemma-3-27b, qwen3-30b-a3b, "
+    "qwen3-235b-a22b, gpt-oss-20b, gpt-oss-120b, deepseek-v3, kimi-k2"
+)
 
 
 @dataclasses.dataclass(frozen=True)

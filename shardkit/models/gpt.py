@@ -202,10 +202,17 @@ class GPTConfig:
                 f"GPTConfig: dense_layers={self.dense_layers!r} must name layers 0..{self.n_layers - 1} of a mixture "
                 "of experts (n_experts > 0)."
             )
-        if self.dense_layers and self.scan_layers and len(self.dense_layers) < self.n_layers:
+        if self.dense_layers and self.scan_layers and self.dense_layers != tuple(range(len(self.dense_layers))):
             raise ModelError(
-                f"GPTConfig: dense_layers={self.dense_layers!r} mixes dense and expert layers, which one scanned "
-                "layer body cannot hold; set scan_layers=False."
+                f"GPTConfig: dense_layers={self.dense_layers!r} are not the first layers: scanned layers are a "
+                "stack of dense layers then one of expert layers (DeepSeek's first_k_dense_replace); set "
+                "scan_layers=False."
+            )
+        if self.latent is not None and self.lora is not None and set(self.lora.targets) - {"o_proj"}:
+            raise ModelError(
+                f"GPTConfig: LoRA on latent attention's {sorted(set(self.lora.targets) - {'o_proj'})}: its "
+                "projections (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj) take no adapters yet; target "
+                "o_proj."
             )
         if self.moe_mlp_dim is not None and self.moe_mlp_dim < 1:
             raise ModelError(f"GPTConfig: moe_mlp_dim={self.moe_mlp_dim} must be a positive integer (or None).")
@@ -240,6 +247,20 @@ class GPTConfig:
     def expert_dim(self) -> int:
         """Each expert's hidden size."""
         return self.moe_mlp_dim if self.moe_mlp_dim is not None else self.mlp_dim
+
+    def layer_stacks(self) -> tuple[tuple[str, range], ...]:
+        """Where the layers live in the parameter tree: ``(name, layers)`` per stack. One
+        ``blocks`` stack (or list, unscanned), or scanned with a dense prefix (DeepSeek's first
+        layers) ``dense_blocks`` for it and ``blocks`` for the expert layers after it.
+
+        Example:
+          >>> GPTConfig(n_experts=4, n_layers=3, dense_layers=(0,)).layer_stacks()
+          (('dense_blocks', range(0, 1)), ('blocks', range(1, 3)))
+        """
+        k = len(self.dense_layers)
+        if self.scan_layers and 0 < k < self.n_layers:
+            return (("dense_blocks", range(k)), ("blocks", range(k, self.n_layers)))
+        return (("blocks", range(self.n_layers)),)
 
     def routed(self, layer: int | None) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts (None: the scanned body's)."""
@@ -298,7 +319,8 @@ class GPTConfig:
             lambda rngs: GPT(self, rngs=rngs),
             name=name or "GPT",
             info=info,
-            stacked_layers="blocks" if self.scan_layers else None,
+            # a dense prefix is a stack of its own: no one stack to split into pipeline stages
+            stacked_layers="blocks" if self.scan_layers and len(self.layer_stacks()) == 1 else None,
             boundaries=False,  # GPT constrains its own activations and names its own scopes
         )
         trainable: Callable[[str], bool] | None = None
@@ -348,7 +370,13 @@ class GPTConfig:
             # sliced (copied) at every token, as many bytes again as the matmuls read.
             if not cfg.scan_layers:
                 return params
-            return {**params, "blocks": {i: jax.tree.map(lambda w, i=i: w[i], params["blocks"]) for i in range(layers)}}
+            apart = {k: v for k, v in params.items() if k not in ("blocks", "dense_blocks")}
+            apart["blocks"] = {
+                i: jax.tree.map(lambda w, j=i - stack[0]: w[j], params[name])
+                for name, stack in cfg.layer_stacks()
+                for i in stack
+            }
+            return apart
 
         def step(params: Any, cache: Any, tokens: jax.Array, positions: jax.Array, last: jax.Array) -> Any:
             module = nnx.merge(_graphdef(apart), params)
@@ -502,6 +530,18 @@ class Block(nnx.Module):
         return constrain(x, ("batch", "seq", "embed")), aux
 
 
+def _stacked_blocks(cfg: GPTConfig, rngs: nnx.Rngs, layers: range) -> Block:
+    """The blocks of ``layers`` as one module whose parameters are stacked on a leading
+    ``layers`` axis (every layer of a stack is of its first's kind)."""
+
+    @nnx.split_rngs(splits=len(layers))
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_blocks(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs, layers[0])
+
+    return make_blocks(rngs)
+
+
 def _layer(
     block: Block,
     x: jax.Array,
@@ -531,13 +571,8 @@ class GPT(nnx.Module):
         p = cfg.param_dtype
         self.embed = param(rngs, nnx.initializers.normal(0.02), (cfg.vocab, cfg.dim), ("vocab", "embed"), p)
         if cfg.scan_layers:
-
-            @nnx.split_rngs(splits=cfg.n_layers)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def make_blocks(rngs: nnx.Rngs) -> Block:
-                return Block(cfg, rngs)
-
-            self.blocks = make_blocks(rngs)
+            for name, layers in cfg.layer_stacks():
+                setattr(self, name, _stacked_blocks(cfg, rngs, layers))
         else:
             self.blocks = nnx.List([Block(cfg, rngs, i) for i in range(cfg.n_layers)])  # type: ignore[assignment]
         self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, p, rngs, cfg.norm_offset)
@@ -611,23 +646,28 @@ class GPT(nnx.Module):
         kinds = cfg.sliding_layers
         mixed = len(set(kinds)) > 1  # else every layer is of one kind, known while tracing
         if cfg.scan_layers:
-            held = jax.tree.leaves(nnx.state(self.blocks, nnx.Param))[0].shape[0]
-            if keys is not None:
-                keys = jax.lax.dynamic_slice_in_dim(keys, first_layer, held)
-            flags = jax.lax.dynamic_slice_in_dim(jnp.asarray(kinds), first_layer, held) if mixed else None
+            stacks = []
+            for name, layers in cfg.layer_stacks():
+                stack = getattr(self, name)
+                held = jax.tree.leaves(nnx.state(stack, nnx.Param))[0].shape[0]
+                start = first_layer + layers[0]
+                stack_keys = None if keys is None else jax.lax.dynamic_slice_in_dim(keys, start, held)
+                flags = jax.lax.dynamic_slice_in_dim(jnp.asarray(kinds), start, held) if mixed else None
 
-            @nnx.scan(
-                unroll=cfg.scan_unroll,
-                in_axes=(nnx.Carry, 0, 0 if keys is not None else None, 0 if mixed else None),
-                out_axes=(nnx.Carry, 0),
-                transform_metadata={nnx.PARTITION_NAME: "layers"},
-            )
-            def run(
-                x: jax.Array, block: Block, key: jax.Array | None, flag: jax.Array | None
-            ) -> tuple[jax.Array, jax.Array | ExpertLoad]:
-                return _layer(block, x, key, cfg.remat, sliding=kinds[0] if flag is None else flag)
+                @nnx.scan(
+                    unroll=cfg.scan_unroll,
+                    in_axes=(nnx.Carry, 0, 0 if stack_keys is not None else None, 0 if mixed else None),
+                    out_axes=(nnx.Carry, 0),
+                    transform_metadata={nnx.PARTITION_NAME: "layers"},
+                )
+                def run(
+                    x: jax.Array, block: Block, key: jax.Array | None, flag: jax.Array | None
+                ) -> tuple[jax.Array, jax.Array | ExpertLoad]:
+                    return _layer(block, x, key, cfg.remat, sliding=kinds[0] if flag is None else flag)
 
-            x, aux = run(x, self.blocks, keys, flags)  # (B, T, D), (layers,)
+                x, stack_aux = run(x, stack, stack_keys, flags)  # (B, T, D), (layers,)
+                stacks.append(stack_aux)
+            aux = jax.tree.map(lambda *parts: jnp.concatenate(parts), *stacks)  # (L, ...)
         else:
             per_layer = []
             blocks: Any = self.blocks  # an nnx.List when unrolled
@@ -639,8 +679,9 @@ class GPT(nnx.Module):
                 x, layer_aux = _layer(block, x, layer_key, cfg.remat, f"layer_{i}", sliding)
                 per_layer.append(layer_aux)
             aux = jax.tree.map(lambda *layers: jnp.stack(layers), *per_layer)  # (L, ...)
+        routed = max(1, sum(cfg.routed(i) for i in range(cfg.n_layers)))  # the mean over the expert layers
         if isinstance(aux, ExpertLoad):
-            return x, aux._replace(loss=cfg.aux_loss_weight * aux.loss.sum() / cfg.n_layers)
+            return x, aux._replace(loss=cfg.aux_loss_weight * aux.loss.sum() / routed)
         return x, cfg.aux_loss_weight * aux.sum() / cfg.n_layers
 
     def head(self, x: jax.Array) -> jax.Array:
@@ -678,18 +719,23 @@ class GPT(nnx.Module):
         kinds = cfg.sliding_layers
         mixed = len(set(kinds)) > 1
         if cfg.scan_layers:
-            stacked = None if fresh else tuple(jnp.stack(part) for part in zip(*cache, strict=True))  # (L, B, N, C, K)
+            written = []
+            for name, layers in cfg.layer_stacks():
+                stacked = None
+                if not fresh:
+                    stacked = tuple(jnp.stack(part) for part in zip(*cache[layers[0] : layers[-1] + 1], strict=True))
 
-            @nnx.scan(
-                in_axes=(nnx.Carry, 0, 0 if stacked else None, 0 if mixed else None),
-                out_axes=(nnx.Carry, 0),
-                transform_metadata={nnx.PARTITION_NAME: "layers"},
-            )
-            def run(x: jax.Array, block: Block, kv: Any, flag: jax.Array | None):
-                return block.decode(x, positions, kv, kinds[0] if flag is None else flag, fresh)
+                @nnx.scan(
+                    in_axes=(nnx.Carry, 0, 0 if stacked else None, 0 if mixed else None),
+                    out_axes=(nnx.Carry, 0),
+                    transform_metadata={nnx.PARTITION_NAME: "layers"},
+                )
+                def run(x: jax.Array, block: Block, kv: Any, flag: jax.Array | None):
+                    return block.decode(x, positions, kv, kinds[0] if flag is None else flag, fresh)
 
-            x, (keys, values) = run(x, self.blocks, stacked, jnp.asarray(kinds) if mixed else None)  # (L, B, S, N, K)
-            written = [(keys[i], values[i]) for i in range(cfg.n_layers)]
+                flags = jnp.asarray(kinds[layers[0] : layers[-1] + 1]) if mixed else None
+                x, (keys, values) = run(x, getattr(self, name), stacked, flags)  # (L, B, S, N, K)
+                written += [(keys[i], values[i]) for i in range(len(layers))]
         else:
             written = []
             blocks: Any = self.blocks  # an nnx.List when unrolled

@@ -601,8 +601,13 @@ def gpt_config(hf: Mapping[str, Any], **overrides: Any) -> GPTConfig:
         )
     if kind in ("qwen3_moe", "gpt_oss", "deepseek_v3"):
         fields.update(_mixture_fields(kind, hf, layers))
-        if fields.get("dense_layers") and len(fields["dense_layers"]) < layers:
-            fields["scan_layers"] = False  # dense and routed layers differ: no one scanned body
+        dense = fields.get("dense_layers", ())
+        if dense and dense != tuple(range(len(dense))):
+            # Dense layers between expert ones: no scanned stacks. scan_layers=True (the command's
+            # default) means "scan where the layers are alike", so it does not override this.
+            fields["scan_layers"] = False
+            if overrides.get("scan_layers") is True:
+                overrides = {k: v for k, v in overrides.items() if k != "scan_layers"}
     if kind == "deepseek_v3":
         latent = fields["latent"]
         fields.update(attn_head_dim=latent.qk_dim, query_scale=_latent_query_scale(hf, scaling))

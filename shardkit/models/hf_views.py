@@ -293,9 +293,10 @@ def views(cfg: GPTConfig) -> dict[tuple[str | int, ...], Any]:
     if not cfg.tie_embeddings:
         out[("lm_head",)] = Source("lm_head.weight", ((cfg.vocab,), (cfg.dim,)), (1, 0))
     if cfg.scan_layers:
-        per_layer = [_layer_views(cfg, i) for i in range(cfg.n_layers)]
-        for path in per_layer[0]:
-            out[("blocks", *path)] = Stack(tuple(layer[path] for layer in per_layer))
+        for name, layers in cfg.layer_stacks():
+            per_layer = [_layer_views(cfg, i) for i in layers]
+            for path in per_layer[0]:
+                out[(name, *path)] = Stack(tuple(layer[path] for layer in per_layer))
     else:
         for i in range(cfg.n_layers):
             out.update({("blocks", i, *path): view for path, view in _layer_views(cfg, i).items()})

@@ -123,13 +123,14 @@ def adapter_views(cfg: GPTConfig) -> dict[tuple[str | int, ...], Any]:
             out[(owner, f"lora_{short}_b")] = Source(module[target] + ".lora_B.weight", (out_factors, (r,)), b_perm)
         return out
 
-    per_layer = [layer(i) for i in range(cfg.n_layers)]
     views: dict[tuple[str | int, ...], Any] = {}
-    for path in per_layer[0]:
-        if cfg.scan_layers:
-            views[("blocks", *path)] = Stack(tuple(one[path] for one in per_layer))
-        else:
-            views.update({("blocks", i, *path): one[path] for i, one in enumerate(per_layer)})
+    for name, layers in cfg.layer_stacks():
+        per_layer = [layer(i) for i in layers]
+        for path in per_layer[0]:
+            if cfg.scan_layers:
+                views[(name, *path)] = Stack(tuple(one[path] for one in per_layer))
+            else:
+                views.update({(name, i, *path): one[path] for i, one in zip(layers, per_layer, strict=True)})
     return views
 
 
@@ -321,9 +322,11 @@ def merged(params: Any, cfg: GPTConfig) -> tuple[Any, GPTConfig]:
                 out["mlp"]["w_down"] = out["mlp"]["w_down"] + delta(mlp, "down").astype(out["mlp"]["w_down"].dtype)
         return out
 
-    blocks = base["blocks"]
-    if cfg.scan_layers:
-        folded = fold(blocks, adapters.get("blocks", {}))
-    else:
-        folded = {i: fold(blocks[i], adapters.get("blocks", {}).get(i, {})) for i in blocks}
-    return {**base, "blocks": folded}, dataclasses.replace(cfg, lora=None)
+    out = dict(base)
+    for name, _ in cfg.layer_stacks():
+        blocks = base[name]
+        if cfg.scan_layers:
+            out[name] = fold(blocks, adapters.get(name, {}))
+        else:
+            out[name] = {i: fold(blocks[i], adapters.get(name, {}).get(i, {})) for i in blocks}
+    return out, dataclasses.replace(cfg, lora=None)

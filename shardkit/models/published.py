@@ -14,6 +14,14 @@ llama-3.1-405b  llama                   405.85B
 mixtral-8x7b    mixtral                 46.70B
 qwen3-32b       qwen3                   32.76B
 gemma-3-27b     gemma3_text             27.01B
+qwen3-30b-a3b   qwen3_moe               30.53B
+qwen3-235b-a22b qwen3_moe               235.09B
+gpt-oss-20b     gpt_oss                 20.91B (experts dequantized: no MXFP4)
+gpt-oss-120b    gpt_oss                 116.83B (experts dequantized: no MXFP4)
+deepseek-v3     deepseek_v3             671.03B (684.5B with its multi-token-prediction layer,
+                                        which shardkit does not train)
+kimi-k2         deepseek_v3             1,026.41B (Moonshot's file says ``kimi_k2``, the
+                                        DeepSeek-V3 architecture; no FP8 quantization)
 ==============  ======================  =========================================
 
 A directory of your own (a checkpoint's, or one holding only its ``config.json``) takes
