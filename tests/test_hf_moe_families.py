@@ -177,3 +177,18 @@ def test_an_embedding_larger_than_vocab_size_names_both(tmp_path):
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="embed_tokens.weight has 256 rows.*vocab_size is 200"):
         sk.from_pretrained(directory, layout="fsdp=8")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_dry_run_counts_the_checkpoints_tensors_and_bounds_its_traffic_at_the_held_dtype(family):
+    """bf16 parameters with fp32 masters: the bound counts every weight at 2 bytes, the experts'
+    as the rest (it counted the experts at the model's 4 and went negative)."""
+    result = sk.dryrun(
+        init_from=str(REFERENCE / family), layout="expert=2,fsdp=4", batch=8, seq=32, precision="bf16-master"
+    )
+    stored = sum(a.size for a in load_file(str(REFERENCE / family / "model.safetensors")).values())
+    assert (
+        result["parameters"] == stored
+    )  # DeepSeek's correction bias included (a buffer, not a weight, to transformers)
+    assert all(value >= 0 for key, value in result["lower_bound"].items() if key.startswith("bytes"))
+    assert result["lower_bound"]["bytes_fsdp"] > 0 and result["lower_bound"]["bytes_expert"] > 0

@@ -63,6 +63,13 @@ DEV_TESTS = {
         "test_options_shardkit_cannot_compute_are_refused",
         "test_the_fixtures_are_what_transformers_wrote",
     },
+    "test_hf_moe_families.py": {
+        "test_logits_are_transformers_on_one_device_and_under_expert_and_tensor_layouts",
+        "test_what_each_family_reads_is_the_reference_config",
+        "test_what_shardkit_cannot_compute_is_refused_by_key",
+        "test_the_multi_token_prediction_layer_is_refused_by_name_or_dropped_when_asked",
+        "test_an_embedding_larger_than_vocab_size_names_both",
+    },
     "test_report.py": {
         "test_data_parallel_report_matches_the_all_reduce_formula",
         "test_tensor_parallel_report_has_megatron_all_reduces_per_layer",

@@ -325,9 +325,12 @@ def bound_terms(
     layout_shape: dict[str, int],
     itemsize: int,
     tokens: int = 0,
+    held: Any = None,
 ) -> dict[str, float]:
     """The expert keywords of :func:`shardkit.analysis.report.lower_bound` for ``model``
     stepping on ``batch`` under ``layout_shape`` (all 0 for a model without experts).
+    ``held``: the parameters as the state holds them (bf16 under a bf16 policy), whose bytes
+    the bound counts; default the model's own.
 
     Returns:
       ``expert_param_bytes``, ``expert_whole_over_tensor_bytes`` and ``expert_bytes`` (the
@@ -339,7 +342,7 @@ def bound_terms(
     out = {"expert_param_bytes": 0.0, "expert_whole_over_tensor_bytes": 0.0, "expert_bytes": 0.0}
     if not experts:
         return out
-    params = jax.tree.leaves(abstract)
+    params = jax.tree.leaves(abstract if held is None else held)
     specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     for i in experts:
         size = params[i].size * np.dtype(params[i].dtype).itemsize

@@ -368,6 +368,7 @@ def build_report(
         layout_shape,
         np.dtype(trainer.precision.compute).itemsize,
         tokens=int(rows * seq) if "tokens" in batch else 0,
+        held=abstract.params,
     )
     bound = lower_bound(
         layout_shape,

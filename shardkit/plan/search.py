@@ -74,7 +74,8 @@ class ModelFacts:
 
     @classmethod
     def of_gpt(cls, cfg: GPTConfig, name: str = "GPT") -> ModelFacts:
-        expert_params = cfg.n_layers * cfg.n_experts * 3 * cfg.dim * cfg.mlp_dim
+        routed_layers = sum(cfg.routed(i) for i in range(cfg.n_layers))
+        expert_params = routed_layers * cfg.n_experts * 3 * cfg.dim * cfg.expert_dim  # shared experts are dense
         sizes = ModelSizes(
             params=cfg.num_params(),
             layers=cfg.n_layers,
@@ -125,7 +126,8 @@ class ModelFacts:
         t, f = shape.get("tensor", 1), shape.get("fsdp", 1)
         if self.gpt is not None:
             g = self.gpt
-            return not (g.n_kv_heads % t or g.n_heads % t or g.mlp_dim % t or g.vocab % t or g.dim % f)
+            widths = (g.n_kv_heads, g.n_heads, g.mlp_dim, g.vocab) + ((g.expert_dim,) if g.n_experts else ())
+            return not (any(w % t for w in widths) or g.dim % f)
         assert self.model is not None
         try:
             specs_for(self.model.axes, self.abstract_params, default_rules(), shape)
