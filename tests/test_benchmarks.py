@@ -316,3 +316,17 @@ def test_long_context_benchmark_small(tmp_path):
     tiles = {r["mask"].split()[0]: r["tiles"] for r in result["skipping"]}
     assert tiles["causal"] < 0.6 * tiles["none"] and tiles["window"] < tiles["causal"]
     assert "blocked/jax.nn" in out
+
+
+@pytest.mark.slow
+def test_moe_families_benchmark_without_its_dry_runs(tmp_path):
+    out = run(sys.executable, "benchmarks/moe_families.py", "--no-dryrun", "--json", str(tmp_path / "m.json"))
+    result = json.loads((tmp_path / "m.json").read_text())
+    assert {r["family"] for r in result["fixtures"]} == {"qwen3_moe", "gpt_oss", "deepseek_v3"}
+    assert all(r["max_logit_error"] <= 1e-4 and r["decode_tokens_per_s"] > 0 for r in result["fixtures"])
+    assert result["cache"]["deepseek-v3"] == {
+        "latent_numbers": 576,
+        "grouped_numbers": 128 * 320,
+        "ratio": 128 * 320 / 576,
+    }
+    assert "latent cache 576" in out

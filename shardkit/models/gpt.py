@@ -574,7 +574,7 @@ class GPT(nnx.Module):
             for name, layers in cfg.layer_stacks():
                 setattr(self, name, _stacked_blocks(cfg, rngs, layers))
         else:
-            self.blocks = nnx.List([Block(cfg, rngs, i) for i in range(cfg.n_layers)])  # type: ignore[assignment]
+            self.blocks = nnx.List([Block(cfg, rngs, i) for i in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, p, rngs, cfg.norm_offset)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, nnx.initializers.lecun_normal(), (cfg.dim, cfg.vocab), ("embed", "vocab"), p)
