@@ -8,7 +8,8 @@ May import: ``core``, ``runtime``, ``io``, ``parallel``.
 """
 
 from shardkit.models.gpt import GPT, GPTConfig
+from shardkit.models.layers.latent_attention import LatentConfig
 from shardkit.models.lora import LoRA
 from shardkit.models.mlp import MLP, MLPConfig
 
-__all__ = ["GPT", "MLP", "GPTConfig", "LoRA", "MLPConfig"]
+__all__ = ["GPT", "MLP", "GPTConfig", "LatentConfig", "LoRA", "MLPConfig"]
