@@ -340,14 +340,14 @@ CLI_CASES = [
         r"--layout auto: no layout of the model fits 8 h100 devices",
     ),
     Case(
-        "cli-init-from-yarn",
+        "cli-init-from-longrope",
         lambda tmp: cli_error(
             *TRAIN[:1],
             "--init-from",
-            str(hf_copy("llama3", '{"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5}}')),
+            str(hf_copy("llama3", '{"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 5e5}}')),
             *TRAIN[3:],
         )(tmp),
-        r"rope_type 'yarn'",
+        r"rope_type 'longrope'",
     ),
     Case(
         "cli-init-from-gemma1",

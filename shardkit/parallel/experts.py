@@ -128,9 +128,9 @@ def route_tokens(
       A :class:`Routing`; the chosen experts' (normalised, scaled) scores weigh their outputs.
 
     Example:
-      >>> r = route_tokens(jnp.array([[[4.0, 1.0, 3.0, 2.0]]]), 1, 1, "sigmoid", groups=(2, 1))
-      >>> r.dispatch[0, 0, :, 0].tolist()  # groups {0, 1} and {2, 3}: 4 + 1 > 3 + 2
-      [1.0, 0.0, 0.0, 0.0]
+      >>> r = route_tokens(jnp.array([[[5.0, -5.0, 3.0, 3.0]]]), 1, 1, "sigmoid", groups=(2, 1))
+      >>> r.dispatch[0, 0, :, 0].tolist()  # expert 0 scores most, but its group {0, 1} sums less than {2, 3}
+      [0.0, 0.0, 1.0, 0.0]
     """
     g, s, e = logits.shape
     if score not in ("softmax", "sigmoid"):
@@ -371,8 +371,8 @@ def clamped_swiglu(limit: float, alpha: float) -> Callable[[jax.Array, jax.Array
     ``limit`` and ``up`` to ``[-limit, limit]``.
 
     Example:
-      >>> clamped_swiglu(7.0, 1.702)(jnp.array([10.0]), jnp.array([-9.0])).round(3).tolist()
-      [-42.0]
+      >>> round(float(clamped_swiglu(7.0, 1.702)(jnp.array([10.0]), jnp.array([-9.0]))[0]), 3)  # (-7 + 1) x ~7
+      -42.0
     """
 
     def glu(gate: jax.Array, up: jax.Array) -> jax.Array:

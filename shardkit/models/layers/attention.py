@@ -173,6 +173,7 @@ def one_token_attention(
       ``(B, H, K)`` with ``H = N * G``, in ``v``'s dtype.
 
     Example:
+      >>> from shardkit.models.gpt import GPTConfig
       >>> cfg = GPTConfig.preset("tiny")
       >>> q, kv, cache = jnp.ones((1, 2, 2, 4)), jnp.ones((1, 2, 4)), jnp.zeros((1, 2, 8, 4))
       >>> one_token_attention(q, kv, kv, cache, cache, jnp.array([0]), cfg, False).shape

@@ -65,6 +65,7 @@ def rows_matmul(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
     keeps XLA from folding the transpose away. The values are the same.
 
     Example:
+      >>> import jax.numpy as jnp
       >>> x, w = jnp.ones((4, 3)), jnp.ones((3, 2))
       >>> jax.grad(lambda w: rows_matmul(x, w).sum())(w).shape
       (3, 2)
@@ -103,6 +104,7 @@ def token_matmul(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
     (:func:`unsplit`), and keep the einsum otherwise.
 
     Example:
+      >>> import jax.numpy as jnp
       >>> x, w = jnp.ones((2, 3, 4)), jnp.ones((4, 2, 5))
       >>> token_matmul(x, w, 1).shape
       (2, 3, 2, 5)
