@@ -461,7 +461,7 @@ class Block(nnx.Module):
                 self.shared_mlp = SwiGLU(cfg, rngs, hidden=cfg.shared_experts * cfg.expert_dim)
         else:
             self.mlp = SwiGLU(cfg, rngs)
-        self.dropout, self.post_norms = cfg.dropout, cfg.post_norms
+        self.dropout, self.post_norms, self.n_experts = cfg.dropout, cfg.post_norms, cfg.n_experts
         self.adapter_dropout = cfg.lora.dropout if cfg.lora is not None else 0.0
 
     def __call__(
@@ -496,9 +496,8 @@ class Block(nnx.Module):
     def no_load(self) -> jax.Array | ExpertLoad:
         """What a dense layer reports: 0, or an empty :class:`ExpertLoad` in a mixture of experts
         (every layer of a stack reports alike)."""
-        cfg = self.attn.cfg
         zero = jnp.zeros((), jnp.float32)
-        return ExpertLoad(zero, jnp.zeros((cfg.n_experts,), jnp.float32), zero, zero) if cfg.n_experts else zero
+        return ExpertLoad(zero, jnp.zeros((self.n_experts,), jnp.float32), zero, zero) if self.n_experts else zero
 
     def residuals(
         self, x: jax.Array, key: jax.Array | None, attend: Callable[[jax.Array], jax.Array]

@@ -167,9 +167,9 @@ def check_tensors(tensors: Tensors, cfg: GPTConfig, drop_mtp: bool = False) -> N
             raise CheckpointError(f"{name} has shape {tensors.shape(name)}; config.json implies {shape}.")
     check_dtypes(tensors, needed)
     extra = sorted(n for n in tensors.names - set(needed) if not n.endswith(_IGNORED_SUFFIXES))
-    predicting = [n for n in extra if _layer_of(n) is not None and _layer_of(n) >= cfg.n_layers]  # type: ignore[operator]
+    predicting = [n for n in extra if _layer_of(n) >= cfg.n_layers]
     if predicting and not drop_mtp:
-        layers = sorted({_layer_of(n) for n in predicting})  # type: ignore[type-var]
+        layers = sorted({_layer_of(n) for n in predicting})
         raise CheckpointError(
             f"{tensors.directory} has {len(predicting)} tensors of layer(s) {layers} past its {cfg.n_layers} "
             f"decoder layers, e.g. {predicting[:2]}: the multi-token-prediction module DeepSeek-V3 ships "
@@ -187,12 +187,12 @@ def check_tensors(tensors: Tensors, cfg: GPTConfig, drop_mtp: bool = False) -> N
 _VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def _layer_of(name: str) -> int | None:
-    """The layer number of a ``model.layers.{i}.`` tensor name, else None."""
+def _layer_of(name: str) -> int:
+    """The layer number of a ``model.layers.{i}.`` tensor name, else -1."""
     parts = name.split(".")
     if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
         return int(parts[2])
-    return None
+    return -1
 
 
 def check_dtypes(tensors: Tensors, names: Any) -> None:

@@ -142,7 +142,7 @@ def route_tokens(
         chooser = _best_groups_only(chooser, *groups)
     _, experts = top_k_by_rows(chooser, top_k)  # (G, S, k)
     gates = jnp.take_along_axis(probs, experts, axis=-1)
-    if normalize:
+    if normalize:  # sigmoid scores may all be ~0: DeepSeek-V3's reference adds 1e-20 to the sum
         gates = gates / (gates.sum(axis=-1, keepdims=True) + (1e-20 if score == "sigmoid" else 0.0))
     if scale != 1.0:
         gates = gates * scale
