@@ -3,8 +3,10 @@ experts' dispatch and combine, gradients over the axes that split the rows), wit
 placement of the experts' matmuls off ("before": XLA's partitioner alone) and on ("after"),
 the share of the excess the report names, and memory per device against ``data=8``.
 
-The models: shardkit's ``tiny-moe`` GPT (einsum dispatch with capacity, its own all-to-alls),
-and the zoo's ``user_moe`` (GShard einsums), ``linen_moe`` (every expert runs every token),
+The models: shardkit's ``tiny-moe`` GPT (``gpt``: its default sorted dispatch, tokens sorted by
+expert and grouped matmuls with capacity 1.25; ``gpt_einsum``: GShard's einsum dispatch, the same
+tokens dropped; ``gpt_dropless``: sorted with room for every pair), and the zoo's ``user_moe``
+(GShard einsums), ``linen_moe`` (every expert runs every token),
 ``sorted_moe`` (tokens sorted by expert, ``jax.lax.ragged_dot``) and ``shared_expert_moe``
 (sigmoid scores, a one-hot einsum, a shared expert). 4 experts, 8 under ``expert=8``. Each row
 is one compiled train step on 8 simulated CPU devices.
@@ -42,13 +44,14 @@ from zoo import (
 )
 
 LAYOUTS = ("data=2,expert=4", "expert=8", "tensor=2,expert=4", "data=2,fsdp=2,expert=2", "data=8")
-MODELS = ("gpt", "user_moe", "linen_moe", "sorted_moe", "shared_expert_moe")
+MODELS = ("gpt", "gpt_einsum", "gpt_dropless", "user_moe", "linen_moe", "sorted_moe", "shared_expert_moe")
 
 
 def model(name: str, experts: int) -> tuple[sk.Model, object, dict]:
     """``(model, loss, abstract batch)`` of style ``name`` with ``experts`` experts."""
-    if name == "gpt":
-        cfg = sk.models.GPTConfig.preset("tiny-moe", n_experts=experts)
+    if name.startswith("gpt"):
+        dispatch = {"gpt": {}, "gpt_einsum": {"moe_dispatch": "einsum"}, "gpt_dropless": {"moe_dropless": True}}[name]
+        cfg = sk.models.GPTConfig.preset("tiny-moe", n_experts=experts, **dispatch)
         return cfg.model(), sk.next_token_loss, {"tokens": jax.ShapeDtypeStruct((16, 129), jnp.int32)}
     batch = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in ZOO[name].batch(0).items()}
     if name == "linen_moe":

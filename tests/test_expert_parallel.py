@@ -138,9 +138,11 @@ def test_the_gpt_moves_its_bound_under_an_expert_layout():
         t = sk.Trainer(cfg.model(), optax.adamw(1e-3), EXPERT_LAYOUT)
     r = t.report({"tokens": jax.ShapeDtypeStruct((16, 129), jnp.int32)})
     # 2 layers x (dispatch + combine) x (forward + backward), each 3/4 of a device's
-    # 2 rows x 4 experts x 80 slots x 64 x 4 bytes.
+    # 2 rows x 4 experts x 80 slots x 64 x 4 bytes; the sorted dispatch also sends each
+    # destination its 2 rows' count for each of its experts, (4, 1) int32 a layer.
     all_to_alls = [c for c in r.collectives if c.kind == "all-to-all"]
-    assert sum(c.count for c in all_to_alls) == 8 and all(c.axes == ("expert",) for c in all_to_alls)
+    assert all(c.axes == ("expert",) for c in all_to_alls)
+    assert sum(c.count * c.payload_bytes for c in all_to_alls) == 8 * 2 * 4 * 80 * 64 * 4 + 2 * 4 * 4
     assert r.lower_bound["bytes_expert"] == pytest.approx(8 * 3 / 4 * 2 * 4 * 80 * 64 * 4)
     assert r.ratios["bytes"] == pytest.approx(1.0, abs=0.02), r.table()
 

@@ -39,7 +39,7 @@ from shardkit.models.model import Model
 from shardkit.models.nnx_adapter import from_nnx
 from shardkit.models.rope import RopeScaling
 from shardkit.models.segments import current_segments
-from shardkit.parallel.experts import ExpertLoad, MoE, Router, clamped_swiglu
+from shardkit.parallel.experts import DISPATCHES, ExpertLoad, MoE, Router, clamped_swiglu
 
 _PRESETS: dict[str, dict[str, Any]] = {
     # vocab 256: byte-level tokens of the built-in corpus.
@@ -126,6 +126,9 @@ class GPTConfig:
     capacity_factor: float = 1.25
     aux_loss_weight: float = 0.01
     moe_dropless: bool = False  # every expert has room for every token: no token is dropped (Mixtral)
+    # How tokens reach their experts: "sorted" (grouped matmuls on top_k rows a token, dropless memory
+    # linear in the sequence) or "einsum" (GShard's one-hot buffers); both drop the same tokens.
+    moe_dispatch: str = "sorted"
     lora: LoRA | None = None  # low-rank adapters on a frozen base (shardkit.models.lora)
     # -- the frontier's mixtures (Qwen3-MoE, DeepSeek-V3 / Kimi K2, gpt-oss) --
     moe_mlp_dim: int | None = None  # each expert's hidden size; None: mlp_dim
@@ -186,6 +189,10 @@ class GPTConfig:
             raise ModelError(
                 f"GPTConfig: top_k={self.top_k} experts per token out of n_experts={self.n_experts}; "
                 f"choose top_k between 1 and {self.n_experts}."
+            )
+        if self.moe_dispatch not in DISPATCHES:
+            raise ModelError(
+                f"GPTConfig: moe_dispatch={self.moe_dispatch!r}; choose {' or '.join(map(repr, DISPATCHES))}."
             )
         if self.n_experts and self.capacity_factor <= 0:
             raise ModelError(
@@ -456,6 +463,7 @@ class Block(nnx.Module):
                 router=cfg.router,
                 expert_bias=cfg.expert_bias,
                 glu=cfg.expert_glu(),
+                dispatch=cfg.moe_dispatch,
             )
             if cfg.shared_experts:
                 self.shared_mlp = SwiGLU(cfg, rngs, hidden=cfg.shared_experts * cfg.expert_dim)

@@ -23,6 +23,10 @@ from jax.sharding import PartitionSpec
 from shardkit.core.errors import InputError
 from shardkit.core.partition import current_rules, logical
 from shardkit.core.rules import resolve
+from shardkit.parallel.sorted_experts import sorted_experts
+
+# How a layer's tokens reach its experts: GShard's one-hot einsums, or sorted rows and grouped matmuls.
+DISPATCHES = ("einsum", "sorted")
 
 
 def top_k_by_rows(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -53,16 +57,17 @@ class Routing(NamedTuple):
     """Where a batch's tokens went, as :func:`route_tokens` decided.
 
     Attributes:
-      dispatch: ``(G, S, E, C)`` in {0, 1}: token ``s`` of group ``g`` in slot ``c`` of expert ``e``.
-      combine: ``(G, S, E, C)``: the gate weight of each kept assignment.
+      dispatch: ``(G, S, E, C)`` in {0, 1}: token ``s`` of group ``g`` in slot ``c`` of expert ``e``
+        (None where the tokens were dispatched sorted).
+      combine: ``(G, S, E, C)``: the gate weight of each kept assignment (likewise).
       aux_loss: the load-balancing loss (Switch/GShard form: ``E * sum_e f_e * P_e`` of the
         first choices' fractions and the mean router probabilities, 1.0 when balanced).
       tokens_per_expert: ``(E,)`` (token, choice) pairs routed to each expert, kept or not.
       dropped: ``()`` the fraction of (token, choice) pairs that found their expert full.
     """
 
-    dispatch: jax.Array
-    combine: jax.Array
+    dispatch: jax.Array | None
+    combine: jax.Array | None
     aux_loss: jax.Array
     tokens_per_expert: jax.Array
     dropped: jax.Array
@@ -133,19 +138,7 @@ def route_tokens(
       [0.0, 0.0, 1.0, 0.0]
     """
     g, s, e = logits.shape
-    if score not in ("softmax", "sigmoid"):
-        raise InputError(f"route_tokens: score={score!r}; choose 'softmax' or 'sigmoid'.")
-    logits = logits.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)  # (G, S, E)
-    chooser = probs if bias is None else probs + jax.lax.stop_gradient(bias.astype(jnp.float32))
-    if groups != (1, 1):
-        chooser = _best_groups_only(chooser, *groups)
-    _, experts = top_k_by_rows(chooser, top_k)  # (G, S, k)
-    gates = jnp.take_along_axis(probs, experts, axis=-1)
-    if normalize:  # sigmoid scores may all be ~0: DeepSeek-V3's reference adds 1e-20 to the sum
-        gates = gates / (gates.sum(axis=-1, keepdims=True) + (1e-20 if score == "sigmoid" else 0.0))
-    if scale != 1.0:
-        gates = gates * scale
+    experts, gates, probs = choose_experts(logits, top_k, score, bias, normalize=normalize, scale=scale, groups=groups)
     choice = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # (G, S, k, E)
     # Slots are filled by all first choices (in token order), then all second choices, ...
     order = choice.transpose(0, 2, 1, 3).reshape(g, top_k * s, e)
@@ -154,12 +147,60 @@ def route_tokens(
     one_slot = jax.nn.one_hot(jnp.where(kept > 0, slot, -1), capacity, dtype=jnp.float32)  # (G, S, k, E, C)
     dispatch = one_slot.sum(axis=2)  # (G, S, E, C)
     combine = (one_slot * gates[..., None, None]).sum(axis=2)  # (G, S, E, C)
-    first = jax.nn.one_hot(experts[..., 0], e, dtype=jnp.float32)  # (G, S, E)
-    shares = probs / probs.sum(axis=-1, keepdims=True)  # sigmoid scores as a distribution too
-    aux = e * jnp.sum(first.mean(axis=(0, 1)) * shares.mean(axis=(0, 1)))
-    routed = choice.sum(axis=(0, 1, 2))  # (E,)
     dropped = 1.0 - kept.sum() / (g * s * top_k)
-    return Routing(dispatch, combine, aux, routed, dropped)
+    return Routing(dispatch, combine, *_load(experts, probs), dropped)
+
+
+def choose_experts(
+    logits: jax.Array,
+    top_k: int,
+    score: str = "softmax",
+    bias: jax.Array | None = None,
+    *,
+    normalize: bool = True,
+    scale: float = 1.0,
+    groups: tuple[int, int] = (1, 1),
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each token's top-k experts and their gates, with no capacity (:func:`route_tokens`'s choice).
+
+    Args:
+      logits: router logits ``(..., E)``.
+      top_k, score, bias, normalize, scale, groups: as :func:`route_tokens` takes them.
+
+    Returns:
+      ``(experts (..., k) int, gates (..., k), probs (..., E))``: the chosen experts, best first,
+      the weights of their outputs, and every expert's score.
+
+    Example:
+      >>> experts, gates, _ = choose_experts(jnp.array([[0.0, 2.0, 1.0]]), 2)
+      >>> experts.tolist(), round(float(gates.sum()), 6)
+      ([[1, 2]], 1.0)
+    """
+    if score not in ("softmax", "sigmoid"):
+        raise InputError(f"route_tokens: score={score!r}; choose 'softmax' or 'sigmoid'.")
+    logits = logits.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)  # (..., E)
+    chooser = probs if bias is None else probs + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    if groups != (1, 1):
+        chooser = _best_groups_only(chooser, *groups)
+    _, experts = top_k_by_rows(chooser, top_k)  # (..., k)
+    gates = jnp.take_along_axis(probs, experts, axis=-1)
+    if normalize:  # sigmoid scores may all be ~0: DeepSeek-V3's reference adds 1e-20 to the sum
+        gates = gates / (gates.sum(axis=-1, keepdims=True) + (1e-20 if score == "sigmoid" else 0.0))
+    if scale != 1.0:
+        gates = gates * scale
+    return experts, gates, probs
+
+
+def _load(experts: jax.Array, probs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(aux_loss, tokens_per_expert (E,))`` of a choice ``experts (..., k)`` among ``probs (..., E)``."""
+    e = probs.shape[-1]
+    lead = tuple(range(probs.ndim - 1))
+    first = jax.nn.one_hot(experts[..., 0], e, dtype=jnp.float32)  # (..., E)
+    shares = probs / probs.sum(axis=-1, keepdims=True)  # sigmoid scores as a distribution too
+    aux = e * jnp.sum(first.mean(axis=lead) * shares.mean(axis=lead))
+    routed = jax.nn.one_hot(experts, e, dtype=jnp.int32).sum(axis=tuple(range(experts.ndim)))  # (E,)
+    return aux, routed
 
 
 def _best_groups_only(chooser: jax.Array, n_group: int, topk_group: int) -> jax.Array:
@@ -191,6 +232,7 @@ def route(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.
       assignments; the load-balancing loss (1.0 when balanced).
     """
     r = route_tokens(logits, top_k, capacity)
+    assert r.dispatch is not None and r.combine is not None  # route_tokens always fills them
     return r.dispatch, r.combine, r.aux_loss
 
 
@@ -251,13 +293,20 @@ def moe_layer(
     normalize: bool = True,
     scale: float = 1.0,
     groups: tuple[int, int] = (1, 1),
+    dispatch: str = "einsum",
 ) -> tuple[jax.Array, Routing]:
     """A mixture of experts as one call: routing, dispatch, the experts, combine, under any layout.
 
-    Each row is a routing group (so every layout routes and drops the same tokens). The experts
-    run on ``(E, B, C, D)`` buffers of their routed tokens: under an ``expert`` axis the buffers
-    go to their experts' devices and back with one all-to-all each way (the bound's four a
-    layer with the backward pass); without one, XLA splits the experts as the rules split them.
+    ``dispatch="einsum"`` (GShard): each row is a routing group (so every layout routes and drops
+    the same tokens). The experts run on ``(E, B, C, D)`` buffers of their routed tokens: under
+    an ``expert`` axis the buffers go to their experts' devices and back with one all-to-all each
+    way (the bound's four a layer with the backward pass); without one, XLA splits the experts
+    as the rules split them. Dropless, every expert holds every token of its row.
+
+    ``dispatch="sorted"``: each device sorts its (token, choice) pairs by expert and runs grouped
+    matmuls on ``top_k`` rows a token (:mod:`shardkit.parallel.sorted_experts`), the memory of
+    dropless routing at any sequence length; a capacity there bounds the rows a device sends
+    each expert device.
 
     Args:
       x: ``(B, T, D)`` tokens.
@@ -278,10 +327,12 @@ def moe_layer(
       router_bias: ``(E,)`` added to the router logits (gpt-oss).
       in_bias, out_bias: the experts' biases, ``(E, 2, F)`` (or ``(E, F)``) and ``(E, D)``.
       normalize, scale, groups: how the chosen experts' scores weigh them (:func:`route_tokens`).
+      dispatch: ``"einsum"`` or ``"sorted"`` (see above).
 
     Returns:
       ``(y (B, T, D), routing)``: :class:`Routing` with the load-balancing loss, the pairs
-      routed to each expert and the fraction dropped.
+      routed to each expert and the fraction dropped (its ``dispatch`` and ``combine`` None
+      when sorted).
 
     Example:
       >>> k = jax.random.split(jax.random.key(0), 4)
@@ -292,13 +343,33 @@ def moe_layer(
       ((2, 8, 16), (4,), 32)
     """
     t, e = x.shape[1], router.shape[-1]
-    _check_layer(x, router, w_in, w_out, top_k, capacity_factor)
+    _check_layer(x, router, w_in, w_out, top_k, capacity_factor, dispatch)
     capacity = t if dropless else max(1, math.ceil(capacity_factor * t * top_k / e))
     with jax.named_scope("router"):
         logits = x.astype(jnp.float32) @ router.astype(jnp.float32)  # (B, T, E)
         if router_bias is not None:
             logits = logits + router_bias.astype(jnp.float32)
-        routing = route_tokens(logits, top_k, capacity, score, bias, normalize=normalize, scale=scale, groups=groups)
+        choice = dict(normalize=normalize, scale=scale, groups=groups)
+        if dispatch == "sorted":
+            experts, gates, probs = choose_experts(logits, top_k, score, bias, **choice)  # type: ignore[arg-type]
+    if dispatch == "sorted":
+        with jax.named_scope("experts"):
+            y, dropped = sorted_experts(
+                x,
+                experts,
+                gates,
+                w_in,
+                w_out,
+                capacity_factor=None if dropless else capacity_factor,
+                activation=activation,
+                glu=glu,
+                in_bias=in_bias,
+                out_bias=out_bias,
+            )
+        return y.astype(x.dtype), Routing(None, None, *_load(experts, probs), dropped / experts.size)
+    with jax.named_scope("router"):
+        routing = route_tokens(logits, top_k, capacity, score, bias, **choice)  # type: ignore[arg-type]
+    assert routing.dispatch is not None and routing.combine is not None
     with jax.named_scope("dispatch"):
         buffers = jnp.einsum("gsec,gsd->egcd", routing.dispatch.astype(x.dtype), x)  # (E, B, C, D), local tokens
         buffers = exchange(buffers, to_experts=True)
@@ -322,10 +393,18 @@ def moe_layer(
 
 
 def _check_layer(
-    x: jax.Array, router: jax.Array, w_in: jax.Array, w_out: jax.Array, top_k: int, capacity_factor: float
+    x: jax.Array,
+    router: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    top_k: int,
+    capacity_factor: float,
+    dispatch: str = "einsum",
 ) -> None:
     """Refuse a layer that cannot route, naming the fix (before anything is computed)."""
     e = router.shape[-1]
+    if dispatch not in DISPATCHES:
+        raise InputError(f"moe_layer: dispatch={dispatch!r}; choose one of {', '.join(map(repr, DISPATCHES))}.")
     if not 1 <= top_k <= e:
         raise InputError(f"moe_layer: top_k={top_k} experts per token out of {e}; choose top_k between 1 and {e}.")
     if capacity_factor <= 0:
@@ -387,9 +466,11 @@ class MoE(nnx.Module):
     """SwiGLU experts behind a top-k router. ``(B, T, D) -> ((B, T, D), ExpertLoad)`` (one layer's:
     a scalar loss, ``(E,)`` tokens, scalar dropped and routed pairs).
 
-    ``dropless``: every expert has a slot for every token of its group (memory and FLOPs of
-    ``E / top_k`` times the even share), so no token is dropped and the result is that of
-    routing each token to its top-k experts with no capacity at all. ``router``: how experts
+    ``dropless``: no token is dropped, and the result is that of routing each token to its top-k
+    experts with no capacity at all. ``dispatch``: ``"einsum"`` (GShard's buffers: dropless,
+    every expert has a slot for every token of its group, memory and FLOPs of ``E / top_k``
+    times the even share) or ``"sorted"`` (the default: grouped matmuls on ``top_k`` rows a
+    token, the same tokens dropped; see :func:`moe_layer`). ``router``: how experts
     are chosen and weighed (:class:`Router`); ``expert_bias``: biases on the experts' units and
     outputs; ``glu``: the gated unit (default ``silu(gate) * up``).
     """
@@ -407,6 +488,7 @@ class MoE(nnx.Module):
         router: Router = Router(),
         expert_bias: bool = False,
         glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+        dispatch: str | None = None,
     ):
         init, dt = nnx.initializers.lecun_normal(), jnp.dtype(param_dtype)
         zeros = nnx.initializers.zeros
@@ -429,6 +511,7 @@ class MoE(nnx.Module):
             self.b_down = nnx.Param(logical(zeros, ("experts", "embed"))(rngs.params(), (n_experts, dim), dt))
         self.top_k, self.capacity_factor, self.n_experts = top_k, capacity_factor, n_experts
         self.dropless, self.routing, self.glu = dropless, router, glu
+        self.dispatch = dispatch or "sorted"
 
     def capacity(self, tokens_per_group: int) -> int:
         """Slots per expert and group. Dropless: one per token of the group, since a token
@@ -456,8 +539,9 @@ class MoE(nnx.Module):
             normalize=self.routing.normalize,
             scale=self.routing.scale,
             groups=self.routing.groups,
+            dispatch=self.dispatch,
         )
-        pairs = jnp.asarray(routing.dispatch.shape[0] * routing.dispatch.shape[1] * self.top_k, jnp.float32)
+        pairs = jnp.asarray(x.shape[0] * x.shape[1] * self.top_k, jnp.float32)
         load = ExpertLoad(
             routing.aux_loss, routing.tokens_per_expert.astype(jnp.float32), routing.dropped * pairs, pairs
         )

@@ -226,8 +226,10 @@ class Trainer:
         self.update_specs = self.plan.update_specs
         self.fallbacks = list(self.plan.fallbacks)
         self.vocab = vocab_size(self.abstract_params, model.axes)
+        # Evaluation runs the same placed forward pass as the step (experts computed where they live).
+        self._placed_model = experts_placed(model, self.plan) if place_experts else model
         grads, self.accumulation = choose(
-            experts_placed(model, self.plan) if place_experts else model,
+            self._placed_model,
             loss,
             self.precision,
             microbatches,
@@ -447,7 +449,7 @@ class Trainer:
             batch_shardings = {k: NamedSharding(self.mesh, s) for k, s in self.batch_specs(batch).items()}
             shardings = self.state_shardings
             jitted = jax.jit(
-                make_eval(self.model, self.loss, self.precision),
+                make_eval(self._placed_model, self.loss, self.precision),
                 in_shardings=(shardings.params, shardings.model_state, batch_shardings),
                 out_shardings=NamedSharding(self.mesh, PartitionSpec()),
             )

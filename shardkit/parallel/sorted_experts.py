@@ -1,0 +1,291 @@
+"""Experts on tokens sorted by expert: grouped matmuls (``jax.lax.ragged_dot``) on each device's
+routed rows, moved to their experts' devices with one all-to-all each way.
+
+GShard's einsum dispatch (:func:`shardkit.parallel.experts.moe_layer`) pads every expert to its
+capacity: dropless, that is every token of the row at every expert, ``E x T`` rows and a one-hot
+mask of ``T x E x T`` numbers a row, which grows with the square of the sequence. Here a layer
+holds ``top_k`` rows per token instead (MaxText's sparse path, Megatron-Core's all-to-all
+dispatcher, DeepSpeed-MoE), in a ``shard_map`` over the mesh:
+
+1. each device sorts its (token, choice) pairs by expert and lays them out per destination
+   device: ``n`` blocks of ``C`` slots (``n`` the ``expert`` axis, ``C`` the slots a device may
+   send another);
+2. one all-to-all over ``expert`` brings each device the rows of its ``E / n`` experts, which it
+   sorts by expert and runs through two grouped matmuls (the experts' hidden units split over
+   ``tensor`` where the layout has one: one reduction at the tokens' size after the combine);
+3. one all-to-all back, and each token sums its experts' outputs weighted by its gates.
+
+A capacity drops the pairs GShard's einsum dispatch drops (each expert has ``factor x T x
+top_k / E`` slots in each row, first choices first), so both dispatches compute the same thing
+on every layout; dropless, nothing is dropped. ``C`` is static (XLA needs static shapes;
+``jax.lax.ragged_all_to_all``, which would send only the rows routed, is not implemented by
+XLA:CPU) (:func:`slots_per_destination`): with a capacity, the slots of the experts on the
+destination, the einsum dispatch's buffers and bytes; dropless, the most a device's pairs can
+fill there, ``rows x T x min(top_k, E / n)``, up to ``n`` times the pairs routed.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> k = jax.random.split(jax.random.key(0), 3)
+  >>> x = jax.random.normal(k[0], (2, 8, 16))
+  >>> experts = jax.random.randint(k[1], (2, 8, 2), 0, 4)
+  >>> gates = jnp.full((2, 8, 2), 0.5)
+  >>> w_in, w_out = jnp.ones((4, 16, 2, 8)), jax.random.normal(k[2], (4, 8, 16))
+  >>> y, dropped = sorted_experts(x, experts, gates, w_in, w_out)
+  >>> y.shape, int(dropped)
+  ((2, 8, 16), 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from shardkit.core.partition import current_rules
+from shardkit.core.rules import resolve
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """How the experts' part runs on the mesh: the axes that split the tokens, the expert axis's
+    size (1: no exchange) and the axis splitting the experts' hidden units (or None)."""
+
+    mesh: Mesh | None
+    token_spec: PartitionSpec
+    token_axes: tuple[str, ...]
+    experts_over: int
+    hidden_axis: str | None
+    axis: str = "expert"
+
+
+def _split_of(x: jax.Array, n_experts: int, hidden: int, axis: str, whole_rows: bool) -> _Split:
+    """Read the split from the rules in force (:func:`shardkit.core.partition.use_sharding`);
+    ``whole_rows``: keep each row's tokens on one device (a capacity ranks a row's pairs)."""
+    context = current_rules()
+    if context is None:
+        return _Split(None, PartitionSpec(), (), 1, None, axis)
+    mesh, rules = context
+    shape = dict(mesh.shape)
+    names = ("batch", None if whole_rows else "seq", None)
+    spec = resolve(names, x.shape, rules, shape, what="mixture-of-experts tokens")
+    token_axes = tuple(a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry))
+    n = shape.get(axis, 1)
+    # The exchange needs each expert device to hold its own tokens; tokens whole over the expert
+    # axis (or experts it does not divide) leave every device computing every expert instead.
+    experts_over = n if n > 1 and axis in token_axes and n_experts % n == 0 else 1
+    t = shape.get("tensor", 1)
+    hidden_axis = "tensor" if t > 1 and "tensor" not in token_axes and hidden % t == 0 else None
+    token_spec = PartitionSpec(*spec, *([None] * (3 - len(spec))))
+    return _Split(mesh, token_spec, token_axes, experts_over, hidden_axis, axis)
+
+
+def row_capacity(tokens_per_row: int, top_k: int, n_experts: int, capacity_factor: float | None) -> int:
+    """Slots of each expert in each row: ``ceil(factor x T x top_k / E)`` (GShard's), or ``T``
+    dropless (a token chooses an expert at most once, so no expert overflows)."""
+    if capacity_factor is None:
+        return tokens_per_row
+    return max(1, math.ceil(capacity_factor * tokens_per_row * top_k / n_experts))
+
+
+def slots_per_destination(
+    rows: int, tokens_per_row: int, top_k: int, n_experts: int, devices: int, capacity_factor: float | None
+) -> int:
+    """``C``: the rows one device sends each of ``devices`` expert devices from its ``rows`` rows.
+
+    With a capacity, the slots of the experts there, ``rows x E / devices x``
+    :func:`row_capacity` (the einsum dispatch's buffers). Dropless, the most its pairs can fill
+    there, ``rows x T x min(top_k, E / devices)``: a token chooses an expert at most once.
+
+    Example:
+      >>> slots_per_destination(1, 1024, 8, 256, 8, None), slots_per_destination(1, 1024, 8, 256, 8, 1.25)
+      (8192, 1280)
+    """
+    local = n_experts // devices
+    if capacity_factor is None:
+        return rows * tokens_per_row * min(top_k, local)
+    return rows * local * row_capacity(tokens_per_row, top_k, n_experts, capacity_factor)
+
+
+def kept_by_capacity(experts: jax.Array, capacity: int) -> jax.Array:
+    """``(B, T, k)`` bool: each (token, choice) pair that finds a slot among its expert's
+    ``capacity`` in its row, the slots filled by all first choices in token order, then all
+    second choices, ... (GShard's order, :func:`shardkit.parallel.experts.route_tokens`'s).
+
+    Example:
+      >>> kept_by_capacity(jnp.array([[[0, 1], [0, 1], [0, 2]]]), 2).tolist()  # expert 0's third first choice drops
+      [[[True, True], [True, True], [False, True]]]
+    """
+    b, t, k = experts.shape
+    by_choice = experts.transpose(0, 2, 1).reshape(b, k * t)  # first choices in token order, then second ...
+    order = jnp.argsort(by_choice, axis=-1, stable=True)
+    grouped = jnp.take_along_axis(by_choice, order, axis=-1)
+    # A pair's slot: its place among the row's pairs of the same expert.
+    starts = jax.vmap(lambda g: jnp.searchsorted(g, g, side="left"))(grouped)
+    slot_sorted = jnp.arange(k * t)[None, :] - starts
+    slot = jnp.zeros_like(slot_sorted).at[jnp.arange(b)[:, None], order].set(slot_sorted)
+    return (slot < capacity).reshape(b, k, t).transpose(0, 2, 1)
+
+
+def sorted_experts(
+    x: jax.Array,
+    experts: jax.Array,
+    gates: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    *,
+    capacity_factor: float | None = None,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+    glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    in_bias: jax.Array | None = None,
+    out_bias: jax.Array | None = None,
+    axis: str = "expert",
+) -> tuple[jax.Array, jax.Array]:
+    """The experts' outputs for routed tokens, dispatched sorted (see the module's docstring).
+
+    Args:
+      x: ``(B, T, D)`` tokens.
+      experts: ``(B, T, k)`` int, the experts each token chose.
+      gates: ``(B, T, k)`` the weights of their outputs.
+      w_in: ``(E, D, 2, F)`` gated units' input weights (gate, up), or ``(E, D, F)``.
+      w_out: ``(E, F, D)``.
+      capacity_factor: None for dropless, else the slots a device may send another as a
+        multiple of an even share (:func:`slots_per_destination`).
+      activation, glu: the experts' unit, as :func:`shardkit.parallel.experts.moe_layer` takes them.
+      in_bias: ``(E, 2, F)`` or ``(E, F)``; out_bias: ``(E, D)``.
+      axis: the mesh axis the experts are split over.
+
+    Returns:
+      ``(y (B, T, D), dropped ())``: the weighted sum of each token's experts' outputs, and the
+      (token, choice) pairs dropped over the whole batch (0 dropless).
+    """
+    n_experts, hidden = w_in.shape[0], w_in.shape[-1]
+    split = _split_of(x, n_experts, hidden, axis, whole_rows=capacity_factor is not None)
+    weights = (w_in, w_out, in_bias, out_bias)
+
+    def body(x, experts, gates, w_in, w_out, in_bias, out_bias):  # type: ignore[no-untyped-def]
+        if split.hidden_axis:
+            # The tokens become per-tensor-rank here, so the backward pass reduces their gradient
+            # over tensor at the tokens' size (not at the routed rows', k x capacity times it).
+            x = jax.lax.pcast(x, split.hidden_axis, to="varying")
+        y, dropped = _local(
+            x, experts, gates, (w_in, w_out, in_bias, out_bias), n_experts, split, capacity_factor, activation, glu
+        )
+        if split.hidden_axis:
+            y = jax.lax.psum(y, split.hidden_axis)
+        if split.token_axes:
+            dropped = jax.lax.psum(dropped, split.token_axes)
+        return y, dropped
+
+    if split.mesh is None:
+        return body(x, experts, gates, *weights)
+    ex = axis if split.experts_over > 1 else None
+    h = split.hidden_axis
+    w_in_spec = PartitionSpec(ex, None, None, h) if w_in.ndim == 4 else PartitionSpec(ex, None, h)
+    bias_spec = None if in_bias is None else PartitionSpec(ex, *([None] * (in_bias.ndim - 2)), h)
+    out_bias_spec = None if out_bias is None else PartitionSpec(ex, None)
+    tokens = split.token_spec
+    return jax.shard_map(
+        body,
+        mesh=split.mesh,
+        in_specs=(tokens, tokens, tokens, w_in_spec, PartitionSpec(ex, h, None), bias_spec, out_bias_spec),
+        out_specs=(tokens, PartitionSpec()),
+    )(x, experts, gates, *weights)
+
+
+def _local(
+    x: jax.Array,
+    experts: jax.Array,
+    gates: jax.Array,
+    weights: tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None],
+    n_experts: int,
+    split: _Split,
+    capacity_factor: float | None,
+    activation: Callable[[jax.Array], jax.Array],
+    glu: Callable[[jax.Array, jax.Array], jax.Array] | None,
+) -> tuple[jax.Array, jax.Array]:
+    """One device's part: its tokens ``x (b, t, D)`` out, the rows of its experts in, both back."""
+    b, t, d = x.shape
+    k, n = experts.shape[-1], split.experts_over
+    local_experts = n_experts // n
+    tokens = x.reshape(b * t, d)
+    pairs = b * t * k
+    kept = jnp.ones((pairs,), bool)
+    if capacity_factor is not None:
+        kept = kept_by_capacity(experts, row_capacity(t, k, n_experts, capacity_factor)).reshape(pairs)
+    chosen = jnp.where(kept, experts.reshape(pairs), n_experts)  # dropped pairs sort last, to no device
+    order = jnp.argsort(chosen, stable=True)  # (P,) pairs by expert, each token's choices in order
+    by_expert = chosen[order]
+    dest = by_expert // local_experts  # the device holding each pair's expert (n: dropped)
+    per_dest = jnp.zeros((n + 1,), jnp.int32).at[dest].add(1)[:n]
+    starts = jnp.cumsum(per_dest) - per_dest
+    c = slots_per_destination(b, t, k, n_experts, n, capacity_factor)
+    place = jnp.arange(pairs) - starts[jnp.minimum(dest, n - 1)]  # the pair's slot among those sent to its device
+    sent = (dest < n) & (place < c)  # place < c holds for every kept pair, by C's choice
+    # Slot j of destination e holds sorted pair starts[e] + j, if there is one.
+    source = starts[:, None] + jnp.arange(c)[None, :]  # (n, C)
+    filled = jnp.arange(c)[None, :] < jnp.minimum(per_dest, c)[:, None]
+    source = jnp.where(filled, source, 0)
+    rows = jnp.where(filled[..., None], tokens[order[source] // k], 0).astype(x.dtype)  # (n, C, D)
+    # What each destination needs besides the rows: how many of them are for each of its experts.
+    counts = jnp.zeros((n_experts + 1,), jnp.int32).at[by_expert].add(1)[:n_experts].reshape(n, local_experts)
+    if n > 1:
+        rows = jax.lax.all_to_all(rows, split.axis, 0, 0, tiled=True)
+        counts = jax.lax.all_to_all(counts, split.axis, 0, 0, tiled=True)  # (n sources, E_l)
+    # A source's rows come sorted by expert: slot j is for the expert whose count range holds j.
+    ends = jnp.cumsum(counts, axis=-1)  # (n, E_l)
+    slot_expert = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(c), side="right"))(ends)  # (n, C); E_l: empty
+    flat_rows, flat_experts = rows.reshape(n * c, d), slot_expert.reshape(n * c)
+    out = _grouped_experts(flat_rows, flat_experts, local_experts, weights, split, activation, glu)
+    out = out.reshape(n, c, d)
+    if n > 1:
+        out = jax.lax.all_to_all(out, split.axis, 0, 0, tiled=True)
+    # Each pair reads its slot's output; the pairs back in token order, weighed by their gates.
+    pair_out = jnp.where(sent[:, None], out[jnp.minimum(dest, n - 1), jnp.clip(place, 0, c - 1)], 0)  # (P, D), sorted
+    unsorted = pair_out[jnp.argsort(order)].reshape(b * t, k, d)
+    y = jnp.einsum("nkd,nk->nd", unsorted, gates.reshape(b * t, k).astype(unsorted.dtype))
+    dropped = jnp.sum(~sent).astype(jnp.float32)
+    return y.reshape(b, t, d), dropped
+
+
+def _grouped_experts(
+    rows: jax.Array,
+    slot_expert: jax.Array,
+    local_experts: int,
+    weights: tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None],
+    split: _Split,
+    activation: Callable[[jax.Array], jax.Array],
+    glu: Callable[[jax.Array, jax.Array], jax.Array] | None,
+) -> jax.Array:
+    """``rows (M, D)``, each for local expert ``slot_expert`` (``local_experts``: an empty slot),
+    through its expert: ``(M, D)`` in the same order (empty slots 0)."""
+    w_in, w_out, in_bias, out_bias = weights
+    m, d = rows.shape
+    order = jnp.argsort(slot_expert, stable=True)
+    grouped_expert = slot_expert[order]
+    sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[grouped_expert].add(1)[:local_experts]
+    grouped = rows[order]
+    valid = (grouped_expert < local_experts)[:, None]
+    which = jnp.minimum(grouped_expert, local_experts - 1)
+    gated = w_in.ndim == 4
+    f = w_in.shape[-1]
+    w = w_in.astype(rows.dtype).reshape(local_experts, d, -1)
+    h = jax.lax.ragged_dot(grouped, w, sizes)  # (M, 2F) or (M, F)
+    if in_bias is not None:
+        h = h + in_bias.astype(rows.dtype).reshape(local_experts, -1)[which]
+    if gated:
+        h = h.reshape(m, 2, f)
+        h = glu(h[:, 0], h[:, 1]) if glu is not None else activation(h[:, 0]) * h[:, 1]
+    else:
+        h = activation(h)
+    out = jax.lax.ragged_dot(h.astype(rows.dtype), w_out.astype(rows.dtype), sizes)  # (M, D)
+    if out_bias is not None:
+        bias = out_bias.astype(rows.dtype)[which]
+        if split.hidden_axis:  # the partial sums over the hidden units are added up: the bias once
+            bias = bias * (jax.lax.axis_index(split.hidden_axis) == 0).astype(rows.dtype)
+        out = out + bias
+    out = jnp.where(valid, out, 0)
+    return out[jnp.argsort(order)]
