@@ -11,8 +11,13 @@
    The checkpoints' routing is dropless (transformers' own), which pads every expert's buffer to
    every token of its row: the per-device memory shows what that costs at scale.
 
+With ``--torch-python`` (a Python with torch and transformers, not shardkit's dependencies),
+transformers' ``generate`` decodes the same prompt from the same checkpoint on the same number of
+threads, timed the same way (a warm-up call, then the median of three), beside shardkit's.
+
     python benchmarks/moe_families.py              # all three tables, JSON to benchmarks/results/
     python benchmarks/moe_families.py --no-dryrun  # the first two
+    python benchmarks/moe_families.py --no-dryrun --torch-python /path/to/venv/bin/python
 """
 
 import argparse
@@ -25,6 +30,24 @@ import time
 
 from _results import write_json
 
+NEW_TOKENS, REPEATS = 64, 3
+TORCH_SCRIPT = r"""
+import json, statistics, sys, time, torch, transformers
+path, prompt, new, threads, repeats = sys.argv[1], json.loads(sys.argv[2]), *(int(a) for a in sys.argv[3:6])
+torch.set_num_threads(threads)
+model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+model.generation_config.eos_token_id = None  # as shardkit's without eos_ids: every token greedy, none masked
+ids = torch.tensor([prompt])
+with torch.inference_mode():
+    model.generate(ids, max_new_tokens=new, do_sample=False)  # warm up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        tokens = model.generate(ids, max_new_tokens=new, do_sample=False)
+        times.append(time.perf_counter() - t)
+print(json.dumps({"seconds": statistics.median(times), "tokens": tokens[0, len(prompt):].tolist(),
+                  "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}))
+"""
 FIXTURES = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf_reference" / "moe"
 FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3")
 # name: (layout of 131,072 devices, global batch: a row per data x fsdp x expert device)
@@ -38,7 +61,15 @@ SHIPPED = {
 }
 
 
-def fixtures_table() -> list[dict]:
+def torch_decode(python: str, family: str, prompt: list[int]) -> dict:
+    """transformers' greedy ``generate`` of ``NEW_TOKENS`` from the fixture, in its own process."""
+    cmd = [python, "-c", TORCH_SCRIPT, str(FIXTURES / family), json.dumps(prompt)]
+    cmd += [str(NEW_TOKENS), str(os.cpu_count()), str(REPEATS)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fixtures_table(torch_python: str | None = None) -> list[dict]:
     import jax
     import numpy as np
 
@@ -55,11 +86,20 @@ def fixtures_table() -> list[dict]:
         logits = np.asarray(out[0] if isinstance(out, tuple) else out)
         error = float(np.abs(logits - np.load(FIXTURES / family / "reference_logits.npy")).max())
         prompt = index[family]["prompts"][1]
-        run.generate([prompt], 64)  # compiles
-        start = time.perf_counter()
-        run.generate([prompt], 64)
-        decode = 64 / (time.perf_counter() - start)
-        rows.append({"family": family, "import_s": seconds, "max_logit_error": error, "decode_tokens_per_s": decode})
+        run.generate([prompt], NEW_TOKENS)  # compiles
+        times = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            ours = run.generate([prompt], NEW_TOKENS)
+            times.append(time.perf_counter() - start)
+        decode = NEW_TOKENS / sorted(times)[REPEATS // 2]
+        row = {"family": family, "import_s": seconds, "max_logit_error": error, "decode_tokens_per_s": decode}
+        if torch_python:
+            theirs = torch_decode(torch_python, family, prompt)
+            row["transformers_tokens_per_s"] = NEW_TOKENS / theirs["seconds"]
+            row["same_tokens"] = list(ours[0]) == theirs["tokens"]
+            row["versions"] = theirs["versions"]
+        rows.append(row)
     return rows
 
 
@@ -102,13 +142,21 @@ def dryrun(name: str, layout: str, batch: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-dryrun", action="store_true", help="skip the 131,072-device dry runs")
+    parser.add_argument("--torch-python", help="a Python with torch and transformers: their generate beside ours")
     parser.add_argument("--json", default="benchmarks/results/moe_families.json")
     args = parser.parse_args()
-    result = {"fixtures": fixtures_table(), "cache": cache_table(), "dryruns": []}
-    print(f"{'family':<12} {'import s':>9} {'max |logit err|':>16} {'decode tok/s':>13}")
+    result = {"fixtures": fixtures_table(args.torch_python), "cache": cache_table(), "dryruns": []}
+    print(
+        f"{'family':<12} {'import s':>9} {'max |logit err|':>16} {'decode tok/s':>13} {'transformers':>13} "
+        f"{'same tokens':>12}"
+    )
     for row in result["fixtures"]:
         error, speed = row["max_logit_error"], row["decode_tokens_per_s"]
-        print(f"{row['family']:<12} {row['import_s']:>9.2f} {error:>16.2e} {speed:>13.1f}")
+        theirs = f"{row['transformers_tokens_per_s']:>13.1f}" if "transformers_tokens_per_s" in row else f"{'-':>13}"
+        print(
+            f"{row['family']:<12} {row['import_s']:>9.2f} {error:>16.2e} {speed:>13.1f} {theirs} "
+            f"{str(row.get('same_tokens', '-')):>12}"
+        )
     for name, row in result["cache"].items():
         latent, grouped = row["latent_numbers"], row["grouped_numbers"]
         print(f"{name}: latent cache {latent} numbers a token and layer, grouped {grouped} ({row['ratio']:.1f}x)")

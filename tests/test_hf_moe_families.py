@@ -172,6 +172,20 @@ def test_the_multi_token_prediction_layer_is_refused_by_name_or_dropped_when_ask
     assert max_error(dropped, "deepseek_v3", rows=4) <= TOLERANCE
 
 
+def test_kimi_k2s_own_model_type_reads_as_deepseek_v3_and_exports_as_given(tmp_path):
+    # The Hub's Kimi K2 is DeepSeek-V3's architecture under model_type kimi_k2, with its code named.
+    directory = shutil.copytree(REFERENCE / "deepseek_v3", tmp_path / "kimi")
+    auto_map = {"AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+    (directory / "config.json").write_text(
+        json.dumps({**config_of("deepseek_v3"), "model_type": "kimi_k2", "auto_map": auto_map})
+    )
+    run = sk.from_pretrained(directory, layout="expert=4,data=2")
+    assert max_error(run, "deepseek_v3", rows=4) <= TOLERANCE
+    out = run.save(run.state.params, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "kimi_k2"
+    assert max_error(sk.from_pretrained(out, layout="fsdp=8"), "deepseek_v3", rows=4) <= TOLERANCE
+
+
 def test_an_embedding_larger_than_vocab_size_names_both(tmp_path):
     directory = shutil.copytree(REFERENCE / "qwen3_moe", tmp_path / "qwen3_moe")
     config = {**config_of("qwen3_moe"), "vocab_size": 200}

@@ -74,13 +74,27 @@ class ModelSizes:
     expert_params: int = 0  # parameters inside the experts (split by the expert axis)
     experts: int = 0
     top_k: int = 0
-    # Expert slots a token's dispatch holds: top_k x the capacity factor (1.25 when 0), or every
-    # expert when routing drops no token (the dispatch then pads each expert to the whole group).
+    # Expert slots a token's dispatch holds with a capacity: top_k x the capacity factor (1.25 x
+    # top_k when 0).
     routed: float = 0.0
+    # Routing that drops no token: "sorted" (each device sends each expert device room for its
+    # tokens' most there, min(top_k, E / n) a token: n x that slots under an expert axis of n),
+    # "einsum" (every expert padded to the whole group: E slots); "" with a capacity.
+    dropless: str = ""
+    expert_dim: int = 0  # each expert's hidden units (its buffers' width)
+    moe_layers: int = 0  # layers with a mixture (0: all of them, where there are experts)
+
+    def slots_per_token(self, expert_axis: int = 1) -> float:
+        """Expert slots a token's dispatch holds (and sends), under an expert axis of that size."""
+        if self.dropless == "sorted":
+            return expert_axis * min(self.top_k, max(1, self.experts // expert_axis))
+        if self.dropless == "einsum":
+            return float(self.experts)
+        return self.routed or max(self.top_k, 1) * 1.25
 
     @property
-    def slots_per_token(self) -> float:
-        return self.routed or max(self.top_k, 1) * 1.25
+    def mixture_layers(self) -> int:
+        return (self.moe_layers or self.layers) if self.experts else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +211,12 @@ def _activation_bytes(
     tokens_mb = _tokens_per_microbatch(shape, batch, seq, mb)
     heads = sizes.heads or max(1, sizes.dim // 128)
     full = tokens_mb * sizes.dim * (10 + 24 / t + 5 * heads * (seq / sq) / (sizes.dim * t)) * c / 2
+    if sizes.experts:
+        # A mixture's slots, each a row in, its expert's hidden units (gate, up, product) and a
+        # row out, the mean over the layers (dense ones hold none); dropless they dominate.
+        slots = tokens_mb * sizes.slots_per_token(shape.get("expert", 1))
+        width = 2 * sizes.dim + 3 * (sizes.expert_dim or sizes.dim) / t
+        full += slots * width * c * sizes.mixture_layers / sizes.layers
     kept = {"none": full, "full": tokens_mb * sizes.dim * c}.get(remat, full / 2)
     in_flight = 1 if p == 1 else (mb if schedule == "gpipe" else min(p, mb))
     activations = in_flight * sizes.layers / p * kept + (full if remat != "none" else 0.0)
@@ -208,7 +228,8 @@ def _flops_per_device(sizes: ModelSizes, shape: dict[str, int], batch: int, seq:
     """Model FLOPs split over every device, with recomputation and the pipeline's idle slots."""
     matmul = float(sizes.matmul_params or sizes.params)
     if sizes.experts and sizes.top_k:  # each expert computes its slots, used or padded
-        matmul -= sizes.expert_params * (1 - min(1.0, sizes.slots_per_token / sizes.experts))
+        slots = sizes.slots_per_token(shape.get("expert", 1))
+        matmul -= sizes.expert_params * (1 - min(1.0, slots / sizes.experts))
     flops = batch * seq * (6 * matmul + 12 * sizes.layers * sizes.dim * seq) / math.prod(shape.values())
     return flops * REMAT_COMPUTE.get(remat, 1.2) * (1 + (shape.get("stage", 1) - 1) / mb)
 
@@ -255,7 +276,7 @@ def _moved_bytes(
         # Lock-step stages send a microbatch's activation (and its gradient back) every slot.
         "stage": 2 * (mb + p - 1) * tokens_mb * sizes.dim * c if p > 1 else 0.0,
         # Dispatch and combine, forward and backward, of every expert slot of the tokens.
-        "expert": sizes.layers * dispatch_bytes(tokens * sizes.slots_per_token * sizes.dim * c, e)
+        "expert": sizes.mixture_layers * dispatch_bytes(tokens * sizes.slots_per_token(e) * sizes.dim * c, e)
         if sizes.experts
         else 0.0,
     }

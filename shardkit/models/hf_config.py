@@ -178,6 +178,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
         "first_k_dense_replace",
     ),
 }
+# model_type values the Hub gives a family's architecture under another name.
+ALIASES = {"kimi_k2": "deepseek_v3"}  # moonshotai/Kimi-K2-*: DeepseekV3ForCausalLM with its own model_type
 _NOT_SUPPORTED = {
     "gemma": "Gemma 1 (no reference checkpoint to check it against yet); Gemma 2 and 3 are supported",
     "gemma3": "the multimodal Gemma 3 wrapper (vision tower, text_config); import its text model's "
@@ -210,10 +212,11 @@ def check_keys(hf: Mapping[str, Any]) -> str:
     """The checkpoint's family (``model_type``); raises on a family or key shardkit does not know.
 
     Example:
-      >>> check_keys({"model_type": "qwen3", "vocab_size": 8})
-      'qwen3'
+      >>> check_keys({"model_type": "qwen3", "vocab_size": 8}), check_keys({"model_type": "kimi_k2"})
+      ('qwen3', 'deepseek_v3')
     """
-    kind = hf.get("model_type")
+    given = hf.get("model_type")
+    kind = ALIASES.get(given, given) if isinstance(given, str) else given
     if kind in _NOT_SUPPORTED:
         raise ModelError(f"config.json has model_type={kind!r}: shardkit does not import {_NOT_SUPPORTED[kind]}.")
     if kind not in FAMILIES:
@@ -222,6 +225,8 @@ def check_keys(hf: Mapping[str, Any]) -> str:
             "(or load it into your own model with shardkit.models.hf_mapping)."
         )
     known = HARMLESS | _COMMON | FAMILIES[kind][1]
+    if given in ALIASES:  # where the Hub's own code for it lies: the alias's architecture, named
+        known |= {"auto_map"}
     unknown = sorted(set(hf) - known)
     if unknown:
         raise ModelError(

@@ -15,9 +15,9 @@ from shardkit.plan.dryrun import DryRunConfig
 
 # Bumped when the figures a dry run reports change meaning (e.g. bf16 collectives counted at the
 # partitioner's dtype, sequence-parallel reduce-scatters named as such) or the compiled step
-# changes for the same settings (3: the in-place non-finite guard and the CPU step options), so
-# older entries miss.
-COUNTING = 3
+# changes for the same settings (3: the in-place non-finite guard and the CPU step options; 4:
+# mixtures of experts dispatched sorted by default), so older entries miss.
+COUNTING = 4
 
 
 class DryRunCache:

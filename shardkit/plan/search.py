@@ -87,7 +87,10 @@ class ModelFacts:
             expert_params=expert_params,
             experts=cfg.n_experts,
             top_k=cfg.top_k if cfg.n_experts else 0,
-            routed=(cfg.n_experts if cfg.moe_dropless else cfg.top_k * cfg.capacity_factor) if cfg.n_experts else 0.0,
+            routed=cfg.top_k * cfg.capacity_factor if cfg.n_experts else 0.0,
+            dropless=cfg.moe_dispatch if cfg.n_experts and cfg.moe_dropless else "",
+            expert_dim=cfg.expert_dim if cfg.n_experts else 0,
+            moe_layers=routed_layers,
         )
         return cls(name, cfg.num_params(), cfg.n_layers, cfg.n_experts, cfg.scan_layers, gpt=cfg, sizes=sizes)
 
