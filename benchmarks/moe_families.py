@@ -155,7 +155,7 @@ def main() -> None:
         theirs = f"{row['transformers_tokens_per_s']:>13.1f}" if "transformers_tokens_per_s" in row else f"{'-':>13}"
         print(
             f"{row['family']:<12} {row['import_s']:>9.2f} {error:>16.2e} {speed:>13.1f} {theirs} "
-            f"{str(row.get('same_tokens', '-')):>12}"
+            f"{row.get('same_tokens', '-')!s:>12}"
         )
     for name, row in result["cache"].items():
         latent, grouped = row["latent_numbers"], row["grouped_numbers"]
