@@ -273,7 +273,8 @@ def _separate_projections(stats: list[CollectiveStat]) -> set[str]:
 FIX_EXPERTS = (
     "write the experts as a matmul of the routed tokens with the stacked weights (an einsum whose experts "
     "dimension is a batch dimension, as GShard's dispatch), name the weights' dimension 'experts', or call "
-    "sk.parallel.moe_layer, which routes, dispatches and combines under any layout."
+    "sk.parallel.moe_layer(..., dispatch='sorted'), which sorts each device's tokens by expert, sends them to "
+    "their experts and runs grouped matmuls (jax.lax.ragged_dot) under any layout."
 )
 
 
@@ -296,15 +297,18 @@ def _explain_expert(c: CollectiveStat) -> tuple[str, str]:
         return (
             f"tokens sorted or permuted over the whole batch (a {primitive} across rows split over "
             f"{'+'.join(c.axes)}): every device's rows are gathered to order them.",
-            "sort each device's tokens by expert within its own rows, or call sk.parallel.moe_layer.",
+            "sort each device's tokens by expert within its own rows, or call "
+            "sk.parallel.moe_layer(..., dispatch='sorted'), which does so in a shard_map.",
         )
     if c.kind == "all-to-all":
         return (
-            "more tokens moved to and from their experts than the routed tokens: a dispatch padded beyond "
-            "top_k x the capacity factor (a dropless einsum pads every expert to every token), or buffers "
-            "exchanged more than once each way.",
-            "lower the capacity factor, or route dropless by sorting tokens by expert "
-            "(sk.parallel.moe_layer(..., dropless=True) sends exactly the routed tokens).",
+            "more tokens moved to and from their experts than the routed tokens: buffers padded beyond top_k x "
+            "the capacity factor (a dropless einsum pads every expert to every token; a dropless sorted "
+            "dispatch sends each expert device room for the most a device's tokens can route there, n x "
+            "min(top_k, E/n) rows a token, as static shapes need), or buffers exchanged more than once each way.",
+            "route with a capacity factor (1.25 is usual; sk.parallel.moe_layer(..., capacity_factor=1.25, "
+            "dispatch='sorted') drops what GShard drops and moves top_k x 1.25 rows a token); dropless, a "
+            "smaller expert axis sends fewer padded rows.",
         )
     return (
         f"a {c.kind} over expert the experts' dispatch and combine do not need: an array whose experts "

@@ -1,5 +1,6 @@
-"""Experts on tokens sorted by expert: grouped matmuls (``jax.lax.ragged_dot``) on each device's
-routed rows, moved to their experts' devices with one all-to-all each way.
+"""Experts on tokens sorted by expert: grouped matmuls
+(:func:`shardkit.parallel.grouped_matmul.grouped_matmul`) on each device's routed rows, moved to
+their experts' devices with one all-to-all each way.
 
 GShard's einsum dispatch (:func:`shardkit.parallel.experts.moe_layer`) pads every expert to its
 capacity: dropless, that is every token of the row at every expert, ``E x T`` rows and a one-hot
@@ -46,7 +47,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from shardkit.core.partition import current_rules
-from shardkit.core.rules import resolve
+from shardkit.core.rules import entry_axes, resolve
+from shardkit.parallel.grouped_matmul import grouped_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,9 @@ class _Split:
     experts_over: int
     hidden_axis: str | None
     axis: str = "expert"
+    # Token axes that split the weights' model dimension (ZeRO-3's fsdp): gathered inside, so the
+    # backward pass reduce-scatters the weights' gradients over them.
+    embed_axes: tuple[str, ...] = ()
 
 
 def _split_of(x: jax.Array, n_experts: int, hidden: int, axis: str, whole_rows: bool) -> _Split:
@@ -80,7 +85,9 @@ def _split_of(x: jax.Array, n_experts: int, hidden: int, axis: str, whole_rows: 
     t = shape.get("tensor", 1)
     hidden_axis = "tensor" if t > 1 and "tensor" not in token_axes and hidden % t == 0 else None
     token_spec = PartitionSpec(*spec, *([None] * (3 - len(spec))))
-    return _Split(mesh, token_spec, token_axes, experts_over, hidden_axis, axis)
+    embed = resolve(("embed",), (x.shape[-1],), rules, shape, what="experts' model dimension", allow_replicate=True)
+    embed_axes = tuple(a for a in entry_axes(embed[0] if len(embed) else None) if a in token_axes and a != axis)
+    return _Split(mesh, token_spec, token_axes, experts_over, hidden_axis, axis, embed_axes)
 
 
 def row_capacity(tokens_per_row: int, top_k: int, n_experts: int, capacity_factor: float | None) -> int:
@@ -166,7 +173,8 @@ def sorted_experts(
     split = _split_of(x, n_experts, hidden, axis, whole_rows=capacity_factor is not None)
     weights = (w_in, w_out, in_bias, out_bias)
 
-    def body(x, experts, gates, w_in, w_out, in_bias, out_bias):  # type: ignore[no-untyped-def]
+    def body(x, experts, gates, w_in, w_out, in_bias, out_bias):
+        w_in, w_out, in_bias, out_bias = _weights_here(split, w_in, w_out, in_bias, out_bias)
         if split.hidden_axis:
             # The tokens become per-tensor-rank here, so the backward pass reduces their gradient
             # over tensor at the tokens' size (not at the routed rows', k x capacity times it).
@@ -183,17 +191,40 @@ def sorted_experts(
     if split.mesh is None:
         return body(x, experts, gates, *weights)
     ex = axis if split.experts_over > 1 else None
-    h = split.hidden_axis
-    w_in_spec = PartitionSpec(ex, None, None, h) if w_in.ndim == 4 else PartitionSpec(ex, None, h)
+    h, m = split.hidden_axis, split.embed_axes or None
+    w_in_spec = PartitionSpec(ex, m, None, h) if w_in.ndim == 4 else PartitionSpec(ex, m, h)
     bias_spec = None if in_bias is None else PartitionSpec(ex, *([None] * (in_bias.ndim - 2)), h)
-    out_bias_spec = None if out_bias is None else PartitionSpec(ex, None)
+    out_bias_spec = None if out_bias is None else PartitionSpec(ex, m)
     tokens = split.token_spec
     return jax.shard_map(
         body,
         mesh=split.mesh,
-        in_specs=(tokens, tokens, tokens, w_in_spec, PartitionSpec(ex, h, None), bias_spec, out_bias_spec),
+        in_specs=(tokens, tokens, tokens, w_in_spec, PartitionSpec(ex, h, m), bias_spec, out_bias_spec),
         out_specs=(tokens, PartitionSpec()),
     )(x, experts, gates, *weights)
+
+
+def _weights_here(split: _Split, *weights: jax.Array | None) -> tuple[jax.Array | None, ...]:
+    """The experts' weights as this device computes with them: gathered over the axes that split
+    their model dimension (ZeRO-3; the backward pass reduce-scatters their gradients), and marked
+    as differing over the other token axes here, once, so their gradients are reduced there at the
+    layer's end rather than in every block of a grouped matmul's loop."""
+    if split.mesh is None:
+        return weights
+    model_dim = {0: 1, 1: 2, 3: 1}  # w_in (E, D, ...), w_out (E, F, D), out_bias (E, D); in_bias has none
+    # The axes a weight's shard already differs over: those its spec names.
+    split_over = set(split.embed_axes) | ({split.axis} if split.experts_over > 1 else set())
+    out: list[jax.Array | None] = []
+    for i, w in enumerate(weights):
+        if w is None:
+            out.append(None)
+            continue
+        if split.embed_axes and i in model_dim:
+            w = jax.lax.all_gather(w, split.embed_axes, axis=model_dim[i], tiled=True)
+        named = split_over if i in model_dim else split_over - set(split.embed_axes)
+        elsewhere = tuple(a for a in split.token_axes if a not in named)
+        out.append(jax.lax.pcast(w, elsewhere, to="varying") if elsewhere else w)
+    return tuple(out)
 
 
 def _local(
@@ -273,7 +304,8 @@ def _grouped_experts(
     gated = w_in.ndim == 4
     f = w_in.shape[-1]
     w = w_in.astype(rows.dtype).reshape(local_experts, d, -1)
-    h = jax.lax.ragged_dot(grouped, w, sizes)  # (M, 2F) or (M, F)
+    platform = split.mesh.devices.flat[0].platform if split.mesh is not None else None
+    h = grouped_matmul(grouped, w, sizes, platform)  # (M, 2F) or (M, F)
     if in_bias is not None:
         h = h + in_bias.astype(rows.dtype).reshape(local_experts, -1)[which]
     if gated:
@@ -281,7 +313,7 @@ def _grouped_experts(
         h = glu(h[:, 0], h[:, 1]) if glu is not None else activation(h[:, 0]) * h[:, 1]
     else:
         h = activation(h)
-    out = jax.lax.ragged_dot(h.astype(rows.dtype), w_out.astype(rows.dtype), sizes)  # (M, D)
+    out = grouped_matmul(h.astype(rows.dtype), w_out.astype(rows.dtype), sizes, platform)  # (M, D)
     if out_bias is not None:
         bias = out_bias.astype(rows.dtype)[which]
         if split.hidden_axis:  # the partial sums over the hidden units are added up: the bias once
