@@ -42,6 +42,7 @@ from shardkit.core.rules import entry_axes
 from shardkit.core.sharding import EXPERT_NAMES
 from shardkit.models.model import apply_model
 from shardkit.parallel.experts import load_apart
+from shardkit.parallel.grouped_matmul import traced_as_native
 
 # Operations that pass (part of) a weight on as the same numbers: a matmul on their output reads the weight.
 _VIEWS = frozenset(
@@ -314,7 +315,8 @@ def traced_forward(model: Any, loss: Any, batch: Any, abstract: Any = None) -> A
 
     rows = jax.tree.map(shape, dict(batch))
     abstract = model.abstract_params() if abstract is None else abstract
-    return jax.make_jaxpr(forward_loss)(abstract, rows, model.abstract_model_state())
+    with traced_as_native():  # the rows the experts compute, not a CPU fallback's padded blocks
+        return jax.make_jaxpr(forward_loss)(abstract, rows, model.abstract_model_state())
 
 
 def bound_terms(

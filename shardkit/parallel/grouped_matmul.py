@@ -19,12 +19,28 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 
 # Groups up to which the dense expansion (G x the output) costs less than blocks' padding and scan.
 FEW_GROUPS = 4
 NATIVE = frozenset({"gpu", "cuda", "rocm", "tpu"})
+_AS_NATIVE = contextvars.ContextVar("grouped_matmul_as_native", default=False)
+
+
+@contextlib.contextmanager
+def traced_as_native() -> Iterator[None]:
+    """Trace grouped matmuls as ``ragged_dot`` whatever the backend: for an analysis of the traced
+    program (the rows a mixture's experts compute), which the blocks' padding would overstate."""
+    token = _AS_NATIVE.set(True)
+    try:
+        yield
+    finally:
+        _AS_NATIVE.reset(token)
 
 
 def grouped_matmul(rows: jax.Array, weights: jax.Array, sizes: jax.Array, platform: str | None = None) -> jax.Array:
@@ -41,7 +57,7 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, sizes: jax.Array, platfo
       ``(M, N)``: each row times its group's weight; rows of no group are 0.
     """
     platform = platform or jax.default_backend()
-    if platform in NATIVE or weights.shape[0] <= FEW_GROUPS:
+    if platform in NATIVE or weights.shape[0] <= FEW_GROUPS or _AS_NATIVE.get():
         return jax.lax.ragged_dot(rows, weights, sizes)
     return blocked_matmul(rows, weights, sizes)
 
