@@ -71,7 +71,10 @@ def _split_of(x: jax.Array, n_experts: int, hidden: int, axis: str, whole_rows: 
     """Read the split from the rules in force (:func:`shardkit.core.partition.use_sharding`);
     ``whole_rows``: keep each row's tokens on one device (a capacity ranks a row's pairs)."""
     context = current_rules()
-    if context is None:
+    inside_manual = any(t == jax.sharding.AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types)
+    if context is None or inside_manual:
+        # Outside any layout, or inside another island (a pipeline's stages): the whole part here,
+        # its arrays split as XLA splits them around it.
         return _Split(None, PartitionSpec(), (), 1, None, axis)
     mesh, rules = context
     shape = dict(mesh.shape)
