@@ -11,7 +11,6 @@ each sequence alone, so every layout routes (and drops) exactly the same tokens.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -23,7 +22,7 @@ from jax.sharding import PartitionSpec
 from shardkit.core.errors import InputError
 from shardkit.core.partition import current_rules, logical
 from shardkit.core.rules import resolve
-from shardkit.parallel.sorted_experts import sorted_experts
+from shardkit.parallel.sorted_experts import row_capacity, sorted_experts
 
 # How a layer's tokens reach its experts: GShard's one-hot einsums, or sorted rows and grouped matmuls.
 DISPATCHES = ("einsum", "sorted")
@@ -137,8 +136,14 @@ def route_tokens(
       >>> r.dispatch[0, 0, :, 0].tolist()  # expert 0 scores most, but its group {0, 1} sums less than {2, 3}
       [0.0, 0.0, 1.0, 0.0]
     """
-    g, s, e = logits.shape
     experts, gates, probs = choose_experts(logits, top_k, score, bias, normalize=normalize, scale=scale, groups=groups)
+    return _slotted(experts, gates, probs, capacity)
+
+
+def _slotted(experts: jax.Array, gates: jax.Array, probs: jax.Array, capacity: int) -> Routing:
+    """The :class:`Routing` of a choice ``experts (G, S, k)`` with ``capacity`` slots per expert and group."""
+    g, s, top_k = experts.shape
+    e = probs.shape[-1]
     choice = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # (G, S, k, E)
     # Slots are filled by all first choices (in token order), then all second choices, ...
     order = choice.transpose(0, 2, 1, 3).reshape(g, top_k * s, e)
@@ -342,16 +347,15 @@ def moe_layer(
       >>> y.shape, r.tokens_per_expert.shape, int(r.tokens_per_expert.sum())
       ((2, 8, 16), (4,), 32)
     """
-    t, e = x.shape[1], router.shape[-1]
     _check_layer(x, router, w_in, w_out, top_k, capacity_factor, dispatch)
-    capacity = t if dropless else max(1, math.ceil(capacity_factor * t * top_k / e))
+    factor = None if dropless else capacity_factor
     with jax.named_scope("router"):
         logits = x.astype(jnp.float32) @ router.astype(jnp.float32)  # (B, T, E)
         if router_bias is not None:
             logits = logits + router_bias.astype(jnp.float32)
-        choice = dict(normalize=normalize, scale=scale, groups=groups)
-        if dispatch == "sorted":
-            experts, gates, probs = choose_experts(logits, top_k, score, bias, **choice)  # type: ignore[arg-type]
+        experts, gates, probs = choose_experts(
+            logits, top_k, score, bias, normalize=normalize, scale=scale, groups=groups
+        )  # (B, T, k)
     if dispatch == "sorted":
         with jax.named_scope("experts"):
             y, dropped = sorted_experts(
@@ -360,7 +364,7 @@ def moe_layer(
                 gates,
                 w_in,
                 w_out,
-                capacity_factor=None if dropless else capacity_factor,
+                capacity_factor=factor,
                 activation=activation,
                 glu=glu,
                 in_bias=in_bias,
@@ -368,7 +372,7 @@ def moe_layer(
             )
         return y.astype(x.dtype), Routing(None, None, *_load(experts, probs), dropped / experts.size)
     with jax.named_scope("router"):
-        routing = route_tokens(logits, top_k, capacity, score, bias, **choice)  # type: ignore[arg-type]
+        routing = _slotted(experts, gates, probs, row_capacity(x.shape[1], top_k, router.shape[-1], factor))
     assert routing.dispatch is not None and routing.combine is not None
     with jax.named_scope("dispatch"):
         buffers = jnp.einsum("gsec,gsd->egcd", routing.dispatch.astype(x.dtype), x)  # (E, B, C, D), local tokens
@@ -488,7 +492,7 @@ class MoE(nnx.Module):
         router: Router = Router(),
         expert_bias: bool = False,
         glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
-        dispatch: str | None = None,
+        dispatch: str = "sorted",
     ):
         init, dt = nnx.initializers.lecun_normal(), jnp.dtype(param_dtype)
         zeros = nnx.initializers.zeros
@@ -511,14 +515,7 @@ class MoE(nnx.Module):
             self.b_down = nnx.Param(logical(zeros, ("experts", "embed"))(rngs.params(), (n_experts, dim), dt))
         self.top_k, self.capacity_factor, self.n_experts = top_k, capacity_factor, n_experts
         self.dropless, self.routing, self.glu = dropless, router, glu
-        self.dispatch = dispatch or "sorted"
-
-    def capacity(self, tokens_per_group: int) -> int:
-        """Slots per expert and group. Dropless: one per token of the group, since a token
-        chooses an expert at most once, so no expert can overflow (Mixtral's routing, exactly)."""
-        if self.dropless:
-            return tokens_per_group
-        return max(1, math.ceil(self.capacity_factor * tokens_per_group * self.top_k / self.n_experts))
+        self.dispatch = dispatch
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ExpertLoad]:
         optional = lambda name: getattr(self, name)[...] if hasattr(self, name) else None

@@ -177,7 +177,7 @@ def sorted_experts(
     weights = (w_in, w_out, in_bias, out_bias)
 
     def body(x, experts, gates, w_in, w_out, in_bias, out_bias):
-        w_in, w_out, in_bias, out_bias = _weights_here(split, w_in, w_out, in_bias, out_bias)
+        w_in, w_out, in_bias, out_bias = _weights_here(split, (w_in, 1), (w_out, 2), (in_bias, None), (out_bias, 1))
         if split.hidden_axis:
             # The tokens become per-tensor-rank here, so the backward pass reduces their gradient
             # over tensor at the tokens' size (not at the routed rows', k x capacity times it).
@@ -207,26 +207,23 @@ def sorted_experts(
     )(x, experts, gates, *weights)
 
 
-def _weights_here(split: _Split, *weights: jax.Array | None) -> tuple[jax.Array | None, ...]:
-    """The experts' weights as this device computes with them: gathered over the axes that split
-    their model dimension (ZeRO-3; the backward pass reduce-scatters their gradients), and marked
-    as differing over the other token axes here, once, so their gradients are reduced there at the
-    layer's end rather than in every block of a grouped matmul's loop."""
+def _weights_here(split: _Split, *weights: tuple[jax.Array | None, int | None]) -> tuple[jax.Array | None, ...]:
+    """The experts' weights, each given with its model dimension (None: it has none), as this
+    device computes with them: gathered over the axes that split their model dimension (ZeRO-3;
+    the backward pass reduce-scatters their gradients), and marked as differing over the other
+    token axes here, once, so their gradients are reduced there at the layer's end rather than in
+    every block of a grouped matmul's loop."""
     if split.mesh is None:
-        return weights
-    model_dim = {0: 1, 1: 2, 3: 1}  # w_in (E, D, ...), w_out (E, F, D), out_bias (E, D); in_bias has none
-    # The axes a weight's shard already differs over: those its spec names.
-    split_over = set(split.embed_axes) | ({split.axis} if split.experts_over > 1 else set())
+        return tuple(w for w, _ in weights)
+    experts = {split.axis} if split.experts_over > 1 else set()
     out: list[jax.Array | None] = []
-    for i, w in enumerate(weights):
-        if w is None:
-            out.append(None)
-            continue
-        if split.embed_axes and i in model_dim:
-            w = jax.lax.all_gather(w, split.embed_axes, axis=model_dim[i], tiled=True)
-        named = split_over if i in model_dim else split_over - set(split.embed_axes)
+    for w, model_dim in weights:
+        if w is not None and model_dim is not None and split.embed_axes:
+            w = jax.lax.all_gather(w, split.embed_axes, axis=model_dim, tiled=True)
+        # The axes a weight's shard already differs over are those its spec names.
+        named = experts | (set(split.embed_axes) if model_dim is not None else set())
         elsewhere = tuple(a for a in split.token_axes if a not in named)
-        out.append(jax.lax.pcast(w, elsewhere, to="varying") if elsewhere else w)
+        out.append(jax.lax.pcast(w, elsewhere, to="varying") if w is not None and elsewhere else w)
     return tuple(out)
 
 
