@@ -106,7 +106,12 @@ def test_mixtral_routes_every_token_under_expert_parallelism():
     report = run.trainer.report({"tokens": jax.ShapeDtypeStruct((8, 41), np.int32)})
     a2a = [c for c in report.collectives if c.kind == "all-to-all"]
     assert {c.axes for c in a2a} == {("expert",)}
-    assert sum(c.count for c in a2a) == 4 * run.config.n_layers  # to the experts and back, forward and backward
+    # Per layer: tokens to the experts and back, forward and backward. Dropless with one expert a
+    # device, each device sends every one of its 40 tokens a slot at each destination: 4 x 40 rows
+    # of 64 fp32 features; each destination also learns its expert's count (one int32 from each).
+    # (XLA may combine the exchanges into fewer all-to-alls: their bytes are what is fixed.)
+    slots, counts = 4 * 40 * run.config.dim * 4, 4 * 4
+    assert sum(c.count * c.payload_bytes for c in a2a) == run.config.n_layers * (4 * slots + counts)
     dropping = sk.from_pretrained(REFERENCE / "mixtral", layout="fsdp=8", moe_dropless=False, capacity_factor=1.0)
     assert max_error(dropping, "mixtral", rows=4) > 1e-3  # capacity drops tokens: not what transformers computes
 
