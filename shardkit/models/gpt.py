@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -39,7 +39,7 @@ from shardkit.models.model import Model
 from shardkit.models.nnx_adapter import from_nnx
 from shardkit.models.rope import RopeScaling
 from shardkit.models.segments import current_segments
-from shardkit.parallel.experts import DISPATCHES, ExpertLoad, MoE, Router, clamped_swiglu
+from shardkit.parallel.experts import DISPATCHES, ExpertLoad, MoE, Router, balance_bias, clamped_swiglu
 
 _PRESETS: dict[str, dict[str, Any]] = {
     # vocab 256: byte-level tokens of the built-in corpus.
@@ -221,6 +221,11 @@ class GPTConfig:
                 "projections (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj) take no adapters yet; target "
                 "o_proj."
             )
+        if self.router.balance_rate and not self.n_experts:
+            raise ModelError(
+                f"GPTConfig: router balance_rate={self.router.balance_rate} balances experts, and n_experts=0; set "
+                "n_experts, or leave the router's default."
+            )
         if self.moe_mlp_dim is not None and self.moe_mlp_dim < 1:
             raise ModelError(f"GPTConfig: moe_mlp_dim={self.moe_mlp_dim} must be a positive integer (or None).")
         if self.latent is not None and self.n_kv_heads != self.n_heads:
@@ -336,7 +341,8 @@ class GPTConfig:
         elif self.router.score_bias:  # moved by balance_bias from the load, never by an optimizer
             trainable = _not_score_bias
 
-        return dataclasses.replace(model, decoder=self.decoder(), trainable=trainable)
+        after_update = functools.partial(_balanced, self) if self.router.balance_rate else None
+        return dataclasses.replace(model, decoder=self.decoder(), trainable=trainable, after_update=after_update)
 
     def decoder(self) -> Decoder:
         """How this GPT continues token rows with a KV cache (:mod:`shardkit.models.kv_cache`):
@@ -435,6 +441,29 @@ class GPTConfig:
 
 def _not_score_bias(path: str) -> bool:
     return not path.endswith("score_bias")
+
+
+def _balanced(cfg: GPTConfig, params: Any, sums: Mapping[str, jax.Array]) -> Any:
+    """``params`` with each expert layer's score bias moved toward an even load
+    (:func:`~shardkit.parallel.experts.balance_bias`), from ``sums["expert_tokens"]``, ``(L, E)``
+    over every layer in order (a dense layer's row is zeros)."""
+    tokens, rate = sums["expert_tokens"], cfg.router.balance_rate
+    params = dict(params)
+    for name, layers in cfg.layer_stacks():
+        stack = params[name]
+        if cfg.scan_layers:  # one (layers, E) bias for the stack
+            if "score_bias" in stack.get("mlp", {}):
+                mlp = stack["mlp"]
+                moved = balance_bias(mlp["score_bias"], tokens[layers.start : layers.stop], rate)
+                params[name] = {**stack, "mlp": {**mlp, "score_bias": moved}}
+            continue
+        stack = dict(stack)  # unscanned: {layer: that layer's parameters}
+        for i in layers:
+            mlp = stack[i]["mlp"]
+            if "score_bias" in mlp:
+                stack[i] = {**stack[i], "mlp": {**mlp, "score_bias": balance_bias(mlp["score_bias"], tokens[i], rate)}}
+        params[name] = stack
+    return params
 
 
 class Block(nnx.Module):

@@ -59,6 +59,10 @@ class Model:
       trainable: ``path -> bool`` for a model that trains some parameters only (LoRA adapters
         on a frozen base, :mod:`shardkit.models.lora`): the trainer computes no gradient and
         keeps no optimizer state for the others. None: every parameter trains.
+      after_update: ``(params, sums) -> params``, run inside the step after the optimizer's
+        update (skipped with it on a non-finite step): parameters moved outside the gradient
+        from what the forward pass counted (``sums["expert_tokens"]``, ``(L, E)``, a mixture's
+        load; DeepSeek-V3's auxiliary-loss-free balancing of its score biases). None: nothing.
     """
 
     init: Callable[[jax.Array], Params]
@@ -73,6 +77,7 @@ class Model:
     axis_names: tuple[str, ...] = ()
     decoder: Decoder | None = None
     trainable: Callable[[str], bool] | None = None
+    after_update: Callable[[Params, Mapping[str, jax.Array]], Params] | None = None
 
     def trainable_mask(self) -> Any:
         """A tree of bools shaped as the parameters: which train (all of them without

@@ -12,6 +12,7 @@ _WHERE = {
     "attention_with_lse": "attention",
     "ExpertLoad": "experts",
     "MoE": "experts",
+    "Router": "experts",
     "Routing": "experts",
     "balance_bias": "experts",
     "load_apart": "experts",
@@ -28,6 +29,7 @@ _WHERE = {
 __all__ = [
     "ExpertLoad",
     "MoE",
+    "Router",
     "Routing",
     "Schedule",
     "attention",

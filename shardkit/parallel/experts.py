@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from shardkit.core.errors import InputError
+from shardkit.core.errors import InputError, ModelError
 from shardkit.core.partition import current_rules, logical
 from shardkit.core.rules import resolve
 from shardkit.parallel.sorted_experts import row_capacity, sorted_experts
@@ -243,15 +243,24 @@ def route(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.
 
 def balance_bias(bias: jax.Array, tokens_per_expert: jax.Array, rate: float = 1e-3) -> jax.Array:
     """DeepSeek-V3's auxiliary-loss-free balancing: each expert's score bias moved by ``rate``
-    toward an even load, down for experts above the mean load and up for those below. Applied
-    outside the gradient, after each step.
+    toward an even load, down for experts above their layer's mean load and up for those below.
+    Applied outside the gradient, after each step.
+
+    Args:
+      bias: ``(..., E)`` score biases (a layer's, or a stack of layers').
+      tokens_per_expert: ``(..., E)`` the (token, choice) pairs each expert was routed.
+      rate: how far each bias moves.
+
+    Returns:
+      ``(..., E)`` the moved biases, in ``bias``'s dtype.
 
     Example:
       >>> (balance_bias(jnp.zeros(4), jnp.array([10, 2, 4, 0])) * 1000).round().tolist()
       [-1.0, 1.0, 0.0, 1.0]
     """
     load = tokens_per_expert.astype(jnp.float32)
-    return bias - rate * jnp.sign(load - load.mean())
+    step = rate * jnp.sign(load - load.mean(axis=-1, keepdims=True))
+    return (bias - step).astype(bias.dtype)
 
 
 def exchange(buffers: jax.Array, to_experts: bool, axis: str = "expert") -> jax.Array:
@@ -439,6 +448,13 @@ class Router:
       logit_bias: a trained ``(E,)`` bias on the logits (gpt-oss).
       score_bias: an ``(E,)`` bias that chooses without weighing (DeepSeek-V3's
         ``e_score_correction_bias``), moved by :func:`balance_bias`, not by gradients.
+      balance_rate: auxiliary-loss-free balancing: after each optimizer step the score bias
+        moves by this much toward an even load (:func:`balance_bias`; DeepSeek-V3 trains with
+        0.001, then 0). 0: the bias stays as it is. Needs ``score_bias``.
+
+    Example:
+      >>> Router(score="sigmoid", score_bias=True, balance_rate=1e-3).balance_rate
+      0.001
     """
 
     score: str = "softmax"
@@ -447,6 +463,18 @@ class Router:
     groups: tuple[int, int] = (1, 1)
     logit_bias: bool = False
     score_bias: bool = False
+    balance_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.balance_rate, (int, float)) or self.balance_rate < 0:
+            raise ModelError(
+                f"Router: balance_rate={self.balance_rate!r} must be a number >= 0 (DeepSeek-V3 trains with 0.001)."
+            )
+        if self.balance_rate and not self.score_bias:
+            raise ModelError(
+                f"Router: balance_rate={self.balance_rate} moves a score bias the router does not have; set "
+                "score_bias=True (or balance_rate=0 and balance with aux_loss_weight)."
+            )
 
 
 def clamped_swiglu(limit: float, alpha: float) -> Callable[[jax.Array, jax.Array], jax.Array]:

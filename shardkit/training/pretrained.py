@@ -10,7 +10,7 @@ from typing import Any
 
 import optax
 
-from shardkit.core.errors import InputError, short_repr
+from shardkit.core.errors import InputError, ModelError, short_repr
 from shardkit.core.mesh import Layout
 from shardkit.core.state import TrainState
 from shardkit.models import hf, peft
@@ -93,6 +93,7 @@ def from_pretrained(
     adapter: str | os.PathLike[str] | None = None,
     lora: LoRA | None = None,
     drop_mtp: bool = False,
+    balance_rate: float = 0.0,
     **options: Any,
 ) -> Pretrained:
     """A trainer of shardkit's GPT and a state holding a Hugging Face checkpoint's weights: Llama 2/3.x,
@@ -112,6 +113,9 @@ def from_pretrained(
       lora: new LoRA adapters (:class:`shardkit.models.LoRA`) on the frozen base: only they train.
       drop_mtp: import a DeepSeek-V3 checkpoint without its multi-token-prediction layers (the
         layers past ``num_hidden_layers``), which are otherwise refused by name.
+      balance_rate: DeepSeek-V3's auxiliary-loss-free balancing: after each step its score
+        biases move this much toward an even load (:class:`shardkit.parallel.experts.Router`;
+        0: they stay as the checkpoint has them).
       **options: GPTConfig fields that say how to train (``param_dtype``, ``dtype``,
         ``scan_layers``, ``scan_unroll``, ``remat``, ``dropout``, ``attention``, ``max_seq``,
         ``aux_loss_weight``; ``moe_dropless``/``capacity_factor`` to route as shardkit's MoE does);
@@ -134,6 +138,14 @@ def from_pretrained(
     if adapter is not None:
         lora = peft.read_lora(adapter)
     cfg: GPTConfig = hf.gpt_config(hf_config, **model_options, lora=lora)
+    if balance_rate:
+        if not cfg.router.score_bias:
+            raise ModelError(
+                f"from_pretrained: balance_rate={balance_rate} moves a router's score bias, and this "
+                f"{hf_config.get('model_type')} checkpoint's router has none (DeepSeek-V3's e_score_correction_bias). "
+                "Fix: drop balance_rate; balance with aux_loss_weight."
+            )
+        cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, balance_rate=balance_rate))
     model = cfg.model(name=str(hf_config.get("model_type", "GPT")))
     trainer = Trainer(model, optimizer if optimizer is not None else optax.adamw(1e-5), layout, **options)
     params = peft.load_with_adapters(path, cfg, model, trainer.state_shardings.params, seed, adapter, drop_mtp)

@@ -17,7 +17,7 @@ jits that step with the shardings of a :class:`shardkit.core.sharding.ShardingPl
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -81,6 +81,12 @@ def pipeline_schedule(
             f"Layout {layout.spec()} pipelines model {model.name}, which keeps running statistics (batch "
             "normalization): a stage cannot update them for the microbatches of another. Fix: drop stage from the "
             "layout, or normalize without running statistics (LayerNorm, RMSNorm)."
+        )
+    if model.after_update is not None:
+        raise PipelineError(
+            f"Layout {layout.spec()} pipelines model {model.name}, which moves parameters after each step from its "
+            "forward pass's counts (a router's balance_rate), which a pipeline's stages do not gather. Fix: drop stage "
+            "from the layout, or set Router(balance_rate=0)."
         )
     if stages is None:
         raise PipelineError(
@@ -377,6 +383,7 @@ def make_step(
     nonfinite: str | None,
     grads_to: Callable[[Any], Any] | None = None,
     params_to: Callable[..., Any] | None = None,
+    after_update: Callable[[Params, Mapping[str, jax.Array]], Params] | None = None,
 ) -> StepFn:
     """``step(state, batch) -> (state, metrics)``: gradients, the optimizer update (on the master
     copy under ``bf16-master``), and with a ``nonfinite`` policy the guard that leaves the state
@@ -385,18 +392,24 @@ def make_step(
     ``grads_to`` places the gradients before the update (ZeRO-2: split like the optimizer state,
     so they are reduce-scattered rather than all-reduced); ``params_to`` places the updated
     parameters (ZeRO: gathers them from the optimizer's shards, see :func:`gather_as_bits`).
+    ``after_update`` moves parameters from the forward pass's sums after the update
+    (:attr:`shardkit.models.model.Model.after_update`).
 
     Returns metrics ``loss``, ``grad_norm``, ``tokens`` (plus ``finite``, ``finite_grads`` and
     ``finite_params`` under a policy, and a mixture of experts' :func:`load_metrics`).
     """
 
-    def updated_state(state: TrainState, grads: Any, model_state: Any) -> TrainState:
+    def moved(params: Params, sums: Mapping[str, jax.Array]) -> Params:
+        return params if after_update is None else after_update(params, sums)
+
+    def updated_state(state: TrainState, grads: Any, model_state: Any, sums: Mapping[str, jax.Array]) -> TrainState:
         target = update_target(state.params, state.master)
         updates, opt_state = optimizer.update(grads, state.opt_state, target)
-        updated = optax.apply_updates(target, updates)
+        updated = moved(optax.apply_updates(target, updates), sums)
         if state.master is not None:
-            # Under ZeRO the parameters are gathered from the new master by gathered() below.
-            stored = state.params if params_to is not None else precision.cast_for_storage(updated)
+            # Under ZeRO the parameters are gathered from the new master by gathered() below,
+            # the frozen ones (no master) from these.
+            stored = moved(state.params, sums) if params_to is not None else precision.cast_for_storage(updated)
             new = dataclasses.replace(state, params=stored, master=next_master(state.master, updated))
         else:
             new = dataclasses.replace(state, params=updated)
@@ -420,7 +433,7 @@ def make_step(
             grads = grads_to(grads)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count, **load_metrics(sums)}
         if nonfinite is None:
-            return gathered(updated_state(state, grads, model_state)), metrics
+            return gathered(updated_state(state, grads, model_state, sums)), metrics
         finite_grads = jax.tree.map(all_finite, grads)
         # The new parameters too: finite gradients can still give an overflowing update (a huge
         # learning rate, an optimizer dividing by a vanishing second moment). They are checked
@@ -438,7 +451,7 @@ def make_step(
         )
         new = jax.lax.cond(
             finite,
-            lambda: updated_state(state, grads, model_state),
+            lambda: updated_state(state, grads, model_state, sums),
             lambda: state,  # nothing applied
         )
         metrics |= {"finite": finite, "finite_grads": finite_grads, "finite_params": finite_params}

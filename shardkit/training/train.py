@@ -243,7 +243,7 @@ class Trainer:
             grads_to = lambda g: self.plan.constrain(g, grad_shardings)
         if zero:
             params_to = functools.partial(gather_as_bits, plan=self.plan)
-        self._step_fn = make_step(grads, optimizer, self.precision, nonfinite, grads_to, params_to)
+        self._step_fn = make_step(grads, optimizer, self.precision, nonfinite, grads_to, params_to, model.after_update)
         self._compiled: dict[Any, jax.stages.Compiled] = {}
         self._init = jax.jit(self._init_fn, static_argnums=0, out_shardings=self.state_shardings)
 
