@@ -12,6 +12,9 @@ memory a process adds while reading it:
     python benchmarks/hf_import.py                  # ~220 MB model, 4 processes x 4 devices (16x a device's share)
     python benchmarks/hf_import.py --experts 8 --layers 2 --json benchmarks/results/hf_import_mixtral.json
                                                     # Mixtral-shaped: 8 experts a layer, top-2
+    python benchmarks/hf_import.py --family deepseek_v3 --json benchmarks/results/hf_import_deepseek_v3.json
+                                                    # the tiny fixture's config, widths x 8: each
+                                                    # family's own Hub names (qwen3_moe, gpt_oss too)
 """
 
 import argparse
@@ -111,6 +114,30 @@ def write_checkpoint(directory: pathlib.Path, dim: int, layers: int, vocab: int,
     return sum(a.nbytes for a in arrays.values())
 
 
+FIXTURES = pathlib.Path(__file__).parent.parent / "tests" / "fixtures" / "hf_reference" / "moe"
+WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size")
+
+
+def write_family_checkpoint(directory: pathlib.Path, family: str, widen: int, vocab: int) -> int:
+    """A random checkpoint of a mixture-of-experts family in its own Hub names and layout (Qwen3-MoE's
+    expert modules, gpt-oss's fused gate_up, DeepSeek-V3's latent attention and shared experts):
+    the fixture's ``config.json`` with its widths times ``widen``, written by shardkit's export,
+    which the fixtures' tests hold to transformers' own files."""
+    import jax
+
+    from shardkit.models import hf
+
+    config = json.loads((FIXTURES / family / "config.json").read_text())
+    config.update({k: config[k] * widen for k in WIDTHS if k in config}, vocab_size=vocab)
+    config.pop("num_nextn_predict_layers", None)  # export writes no multi-token-prediction layer
+    cfg = hf.gpt_config(config)
+    params = jax.jit(cfg.model().init)(jax.random.key(0))
+    hf.save_pretrained(params, cfg, directory / "checkpoint", base_config=config)
+    for item in (directory / "checkpoint").iterdir():
+        item.rename(directory / item.name)
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
 def worker(directory: str, layout: str) -> None:
     """One process of the sharded import: print its own share and the memory it added."""
     from shardkit.runtime import distributed
@@ -154,6 +181,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--devices-per-proc", type=int, default=4)
     parser.add_argument("--experts", type=int, default=0, help="> 0: a Mixtral-shaped checkpoint of this many experts")
+    parser.add_argument("--family", choices=("qwen3_moe", "gpt_oss", "deepseek_v3"), help="that family instead")
+    parser.add_argument("--widen", type=int, default=8, help="--family: the fixture's widths times this")
     parser.add_argument("--layout", default=None, help="default: fsdp over every device")
     parser.add_argument("--json", default="benchmarks/results/hf_import.json")
     parser.add_argument("--worker", nargs=2, metavar=("DIR", "LAYOUT"), help=argparse.SUPPRESS)
@@ -165,7 +194,10 @@ def main() -> None:
     layout = args.layout or f"fsdp={devices}"
     with tempfile.TemporaryDirectory() as tmp:
         directory = pathlib.Path(tmp)
-        model_bytes = write_checkpoint(directory, args.dim, args.layers, args.vocab, args.experts)
+        if args.family:
+            model_bytes = write_family_checkpoint(directory, args.family, args.widen, args.vocab)
+        else:
+            model_bytes = write_checkpoint(directory, args.dim, args.layers, args.vocab, args.experts)
         whole = whole_file(directory)
         command = [
             sys.executable,
@@ -189,6 +221,7 @@ def main() -> None:
             sys.exit(f"the sharded import failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     mb = 1e6
     kind = f"Mixtral-shaped, {args.experts} experts" if args.experts else "Llama-shaped"
+    kind = f"{args.family}, the fixture x {args.widen}" if args.family else kind
     share = f"a device's share is 1/{devices}"
     print(f"model {model_bytes / mb:.1f} MB ({kind}, float32), {devices} devices ({layout}): {share}")
     print(f"{'how':28s} {'process':>7s} {'share MB':>9s} {'added MB':>9s} {'added/model':>11s} {'added/share':>11s}")

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec
 from safetensors.numpy import load_file, save_file
 
 import shardkit as sk
@@ -49,6 +50,11 @@ def test_logits_are_transformers_on_one_device_and_under_expert_and_tensor_layou
     assert max_error(experts, family, rows=4) <= TOLERANCE
     tensor = sk.from_pretrained(REFERENCE / family, layout="data=2,fsdp=2,tensor=2")
     assert max_error(tensor, family, rows=2) <= TOLERANCE
+    if family == "deepseek_v3":  # latent attention: heads over tensor, the latent ranks stored over fsdp
+        specs = tensor.trainer.param_specs["blocks"]["attn"]
+        assert specs["wq_b"] == specs["wkv_b"] == PartitionSpec(None, "fsdp", "tensor", None)
+        held = tensor.state.params["blocks"]["attn"]["wkv_b"].addressable_shards[0].data.shape
+        assert held == (2, tensor.config.latent.kv_rank // 2, tensor.config.n_heads // 2, 32)
 
 
 def test_what_each_family_reads_is_the_reference_config():

@@ -423,3 +423,23 @@ def test_a_factory_with_no_importable_name_past_the_device_limit_is_refused_befo
     with pytest.raises(ModelError, match="factory, 'package.module:function'"):
         plan(lambda: model, 4096, "h100", batch=4096, seq=64, options=options, cache_dir=tmp_path)
     assert not (tmp_path / "dryruns.json").exists()
+
+
+def test_a_time_limit_stops_the_compiles_and_ranks_what_compiled_in_time(tmp_path, monkeypatch):
+    # llama2-7b on 64 devices: each compile takes tens of seconds here, the whole search minutes.
+    monkeypatch.setenv("SHARDKIT_PLAN_MARKER", str(tmp_path))  # the workers inherit it: found below
+    options = PlanOptions(workers=2, time_limit=4.0)
+    result = plan("llama2-7b", 64, "h100", batch=256, seq=4096, options=options, cache_dir=tmp_path)
+    chosen = [p for p in result.plans if p.compiled or "past the time limit" in p.note]
+    late = [p for p in chosen if not p.compiled]
+    assert late and all(p.note == "not compiled: past the time limit of 4 s" for p in late)
+    assert result.compiled == len(chosen) - len(late) < 6
+    assert result.seconds < 45  # stopped, not waited for: the search without a limit takes minutes
+    assert _plan_workers(str(tmp_path)) == [], "no worker outlives the plan"
+
+
+def test_a_time_limit_that_is_not_a_positive_number_is_refused():
+    from shardkit.core.errors import InputError
+
+    with pytest.raises(InputError, match="time_limit=0"):
+        PlanOptions(time_limit=0)

@@ -392,7 +392,9 @@ class PlanOptions:
     memory does not grow); others fewest first. ``compile_top``: how many layouts, the fastest by
     the analytic estimate, are compiled (``None``: all), less those whose estimate is slower than a
     plan already compiled that fits (``prune``). ``workers``: processes compiling at once
-    (``None``: one per core, or this process when it already has the devices)."""
+    (``None``: one per core, or this process when it already has the devices). ``time_limit``:
+    seconds the search may take; after them no compile starts, the worker processes' compiles are
+    stopped, and the answer ranks what compiled in time (the others are rows of the estimate)."""
 
     precision: str = same_as(TrainConfig, "precision", "bf16-master")  # plans are for accelerators
     tensor: tuple[int, ...] | None = setting(None, "tensor sizes to consider (default: powers of 2 in a node)")
@@ -415,6 +417,11 @@ class PlanOptions:
         6, "compile this many layouts, the fastest by the analytic estimate (0: all of them)", zero_is_none=True
     )
     workers: int | None = setting(None, "processes compiling at once (default: one per core)")
+    time_limit: float | None = setting(
+        None,
+        "seconds the search may take: no compile starts after them and those running are stopped; the answer "
+        "ranks what compiled in time (default: no limit)",
+    )
     prune: bool = setting(
         True,
         "compile no layout whose estimate is already slower than a compiled plan that fits, while every compiled "
@@ -430,6 +437,8 @@ class PlanOptions:
             raise InputError(f"compile_top={self.compile_top}: compile at least 1 layout (or None for all).")
         if self.workers is not None and self.workers < 1:
             raise InputError(f"workers={self.workers}: give at least 1 process.")
+        if self.time_limit is not None and not self.time_limit > 0:
+            raise InputError(f"time_limit={self.time_limit}: give a number of seconds > 0 (or None: no limit).")
         if not self.zero or any(z not in (0, 1, 2) for z in self.zero):
             raise InputError(f"zero={self.zero}: give ZeRO stages among 0, 1 and 2, e.g. (0, 2).")
         if not 0 < self.headroom <= 1:

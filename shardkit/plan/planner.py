@@ -22,8 +22,9 @@ from shardkit.plan.workers import compile_candidates
 MAX_COMPILES_PER_LAYOUT = 3
 
 
-def plan_of(job: Candidate, budget: float, hw: Hardware, compute_dtype: str, unfinished: bool = False) -> Plan:
-    """The table row of a compiled candidate: its first setting that fits, else its last."""
+def plan_of(job: Candidate, budget: float, hw: Hardware, compute_dtype: str, unfinished: str = "") -> Plan:
+    """The table row of a compiled candidate: its first setting that fits, else its last
+    (``unfinished``: why it was not compiled, for a search stopped before its turn)."""
     est = job.estimate
     common: dict[str, Any] = dict(
         schedule=job.schedule, estimated_step_seconds=est.step_seconds, estimated_memory=est.memory_bytes
@@ -32,7 +33,7 @@ def plan_of(job: Candidate, budget: float, hw: Hardware, compute_dtype: str, unf
         return _estimated_row(job, "not compiled: its estimate is slower than a compiled plan that fits")
     if unfinished or not job.results:
         remat, mb, zero = job.settings[0]
-        note = "not compiled: interrupted" if unfinished else f"compile failed: {job.error}"
+        note = f"not compiled: {unfinished}" if unfinished else f"compile failed: {job.error}"
         return Plan(job.spec, mb, remat, False, est.memory_bytes, {}, note=note, compiled=False, zero=zero, **common)
     result = job.results[-1]
     fields = result["config"]
@@ -323,11 +324,13 @@ def plan(
         )
 
     def answer(interrupted: bool = False) -> PlanResult:
-        rows_now = rows + [plan_of(c, budget, hw, dtype, unfinished=c not in finished) for c in chosen]
+        why = "interrupted" if interrupted else f"past the time limit of {options.time_limit:g} s"
+        rows_now = rows + [plan_of(c, budget, hw, dtype, "" if c in finished else why) for c in chosen]
         return _result(question, rows_now, len(layouts), len(finished), time.perf_counter() - start, interrupted)
 
+    deadline = None if options.time_limit is None else start + options.time_limit
     try:
-        compile_candidates(chosen, facts, devices, budget, options.workers, done, slower)
+        compile_candidates(chosen, facts, devices, budget, options.workers, done, slower, deadline)
     except KeyboardInterrupt:
         raise PlanInterrupted(answer(interrupted=True)) from None
     return answer()

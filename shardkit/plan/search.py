@@ -130,7 +130,9 @@ class ModelFacts:
         if self.gpt is not None:
             g = self.gpt
             widths = (g.n_kv_heads, g.n_heads, g.mlp_dim, g.vocab) + ((g.expert_dim,) if g.n_experts else ())
-            return not (any(w % t for w in widths) or g.dim % f)
+            # fsdp splits the hidden size, and latent attention's ranks (stored as "embed" too)
+            stored = (g.dim,) + ((g.latent.kv_rank, g.latent.q_rank or g.dim) if g.latent is not None else ())
+            return not (any(w % t for w in widths) or any(w % f for w in stored))
         assert self.model is not None
         try:
             specs_for(self.model.axes, self.abstract_params, default_rules(), shape)

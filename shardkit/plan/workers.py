@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -96,10 +97,13 @@ def compile_candidates(
     workers: int | None,
     done: Callable[[Candidate], None],
     skip: Callable[[Candidate], bool] = lambda _: False,
+    deadline: float | None = None,
 ) -> None:
     """Compile each job's configurations (until one fits), here or in worker processes, in the
     order given; a job that ``skip`` refuses when its turn comes is not compiled (its
-    ``skipped`` is set) and ``done`` is not called for it."""
+    ``skipped`` is set) and ``done`` is not called for it. Past ``deadline`` (a
+    ``time.perf_counter()`` value) no compile starts and the worker processes are stopped: the
+    jobs they held, and those not started, are left without ``done``."""
     pending = [j for j in jobs if j.configs]
     if not pending:
         return
@@ -111,7 +115,7 @@ def compile_candidates(
                 f"by name, and model {pending[0].configs[0].model} has none. Fix: pass the name of its factory, "
                 "'package.module:function', defined at the top level of an importable module."
             )
-        _one_by_one(pending, dryrun, budget, done, skip)
+        _one_by_one(pending, dryrun, budget, done, skip, deadline)
         return
     here = can_run_here(devices)
     if workers is None:
@@ -125,28 +129,39 @@ def compile_candidates(
             jax.config.update("jax_num_cpu_devices", devices)
         model = facts.model
         factory = (lambda: model) if model is not None else None
-        _one_by_one(pending, lambda cfg: _in_process(cfg, factory), budget, done, skip)
+        _one_by_one(pending, lambda cfg: _in_process(cfg, factory), budget, done, skip, deadline)
         return
     pool = Workers(min(workers, len(pending)), devices)
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=len(pool.procs))
-    queue, lock = iter(pending), threading.Lock()
+    queue, lock, stopped = iter(pending), threading.Lock(), threading.Event()
 
     def serve_queue() -> None:
         """One worker's turn: the next job not skipped, until none is left (``done`` under the
         lock, so that each answer is known before the next job is taken or skipped)."""
-        while True:
+        while not _past(deadline):
             with lock:
                 job = next((j for j in queue if not _skipped(j, skip)), None)
             if job is None:
                 return
-            reply = pool.run(job.configs, budget)
+            try:
+                reply = pool.run(job.configs, budget)
+            except ClusterError:
+                if stopped.is_set():  # its worker was stopped at the time limit
+                    return
+                raise
             with lock:
                 job.results.extend(reply["results"])
                 job.error = reply.get("error", "")
                 done(job)
 
     try:
-        for future in [executor.submit(serve_queue) for _ in pool.procs]:
+        futures = [executor.submit(serve_queue) for _ in pool.procs]
+        left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+        _, running = concurrent.futures.wait(futures, timeout=left)
+        if running:  # the time limit: stop the compiles still running
+            stopped.set()
+            pool.kill()
+        for future in futures:
             future.result()
     finally:
         pool.kill()  # also on Ctrl-C: no worker outlives the plan
@@ -154,11 +169,22 @@ def compile_candidates(
         pool.close_logs()
 
 
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() >= deadline
+
+
 def _until_fits(
-    configs: list[Any], compile_one: Callable[[Any], dict[str, Any]], budget: float, results: list[dict[str, Any]]
+    configs: list[Any],
+    compile_one: Callable[[Any], dict[str, Any]],
+    budget: float,
+    results: list[dict[str, Any]],
+    deadline: float | None = None,
 ) -> None:
-    """Compile ``configs`` in order into ``results``, stopping at the first that fits ``budget``."""
+    """Compile ``configs`` in order into ``results``, stopping at the first that fits ``budget``
+    (or, past ``deadline``, before the next)."""
     for cfg in configs:
+        if results and _past(deadline):
+            return
         results.append(compile_one(cfg))
         if results[-1]["memory"]["total"] <= budget:
             return
@@ -175,13 +201,17 @@ def _one_by_one(
     budget: float,
     done: Callable[[Candidate], None],
     skip: Callable[[Candidate], bool],
+    deadline: float | None = None,
 ) -> None:
-    """Each job compiled in this process's turn (one compile, or one extrapolated dry run, at a time)."""
+    """Each job compiled in this process's turn (one compile, or one extrapolated dry run, at a
+    time), none started past ``deadline``."""
     for job in jobs:
+        if _past(deadline):
+            return
         if _skipped(job, skip):
             continue
         try:
-            _until_fits(job.configs, compile_one, budget, job.results)
+            _until_fits(job.configs, compile_one, budget, job.results, deadline)
         except ShardkitError as e:  # one layout that fails to compile is one row of the plan, not the end of it
             job.error = str(e)
         done(job)

@@ -109,13 +109,16 @@ class LatentAttention(Attention):
             self.wq_a = param(rngs, init(), (d, lat.q_rank), ("embed", None), p)
             self.q_norm = RMSNorm(lat.q_rank, cfg.norm_eps, p, rngs, axis=None)
             q_b_shape = (lat.q_rank, h, lat.qk_dim)
-            self.wq_b = param(rngs, init(in_axis=0, out_axis=(1, 2)), q_b_shape, (None, "heads", "kv"), p)
+            # The latent rank is stored split over fsdp as the hidden size is ("embed": gathered
+            # for the matmul, ZeRO-3); whole on every device, DeepSeek-V3's two up-projections
+            # held 3x the rest of a device's parameters under fsdp=256.
+            self.wq_b = param(rngs, init(in_axis=0, out_axis=(1, 2)), q_b_shape, ("embed", "heads", "kv"), p)
         else:
             self.wq = param(rngs, init(in_axis=0, out_axis=(1, 2)), (d, h, lat.qk_dim), ("embed", "heads", "kv"), p)
         self.wkv_a = param(rngs, init(), (d, lat.kv_rank + lat.rope_dim), ("embed", None), p)
         self.kv_norm = RMSNorm(lat.kv_rank, cfg.norm_eps, p, rngs, axis=None)
         kv_b_shape = (lat.kv_rank, h, lat.nope_dim + lat.v_dim)
-        self.wkv_b = param(rngs, init(in_axis=0, out_axis=(1, 2)), kv_b_shape, (None, "heads", "kv"), p)
+        self.wkv_b = param(rngs, init(in_axis=0, out_axis=(1, 2)), kv_b_shape, ("embed", "heads", "kv"), p)
         self.wo = param(rngs, init(in_axis=(0, 1), out_axis=2), (h, lat.v_dim, d), ("heads", "kv", "embed"), p)
         adapters(self, cfg, rngs, "o_proj", ((h, lat.v_dim), ("heads", "kv")), ((d,), ("embed",)))
         self.groups = 1
