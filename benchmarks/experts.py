@@ -38,13 +38,14 @@ from zoo import (
     LINEN_MOE_CONFIG,
     ZOO,
     LlamaStyleLM,
+    LoopedExperts,
     SharedAndRoutedExperts,
     SortedExperts,
     Top2Experts,
 )
 
 LAYOUTS = ("data=2,expert=4", "expert=8", "tensor=2,expert=4", "data=2,fsdp=2,expert=2", "data=8")
-MODELS = ("gpt", "gpt_einsum", "gpt_dropless", "user_moe", "linen_moe", "sorted_moe", "shared_expert_moe")
+MODELS = ("gpt", "gpt_einsum", "gpt_dropless", "user_moe", "linen_moe", "sorted_moe", "shared_expert_moe", "looped_moe")
 
 
 def model(name: str, experts: int) -> tuple[sk.Model, object, dict]:
@@ -57,7 +58,12 @@ def model(name: str, experts: int) -> tuple[sk.Model, object, dict]:
     if name == "linen_moe":
         linen = LinenLM(dataclasses.replace(LINEN_MOE_CONFIG, experts=experts))
         return sk.from_linen(linen, jnp.zeros((2, 32), jnp.int32)), ZOO[name].loss, batch
-    layer = {"user_moe": Top2Experts, "sorted_moe": SortedExperts, "shared_expert_moe": SharedAndRoutedExperts}[name]
+    layer = {
+        "user_moe": Top2Experts,
+        "sorted_moe": SortedExperts,
+        "shared_expert_moe": SharedAndRoutedExperts,
+        "looped_moe": LoopedExperts,
+    }[name]
     make = lambda rngs: LlamaStyleLM(rngs, mlp=lambda r: layer(r, experts=experts))
     return sk.from_nnx(make), ZOO[name].loss, batch
 

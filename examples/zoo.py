@@ -17,6 +17,8 @@
   matmuls by ``jax.lax.ragged_dot`` (``SortedExperts``);
 - ``shared_expert_moe``: NNX, DeepSeek-style sigmoid scores, routed experts reached by a one-hot
   einsum, and a shared expert every token passes through (``SharedAndRoutedExperts``);
+- ``looped_moe``: NNX, top-2 experts in a Python loop over the stacked expert weights, every
+  expert on every token, gates zero where not chosen (``LoopedExperts``);
 - ``cnn_batchnorm``: NNX, residual convolutions with ``nnx.BatchNorm``.
 
 Nothing here imports shardkit. Each :class:`ZooEntry` gives the module's constructor, a batch
@@ -303,6 +305,33 @@ def shared_expert_lm(rngs: nnx.Rngs) -> LlamaStyleLM:
     return LlamaStyleLM(rngs, mlp=SharedAndRoutedExperts)
 
 
+class LoopedExperts(nnx.Module):
+    """Top-2 experts as a first version often writes them: a Python loop over the stacked expert
+    weights, each expert running every token, its output weighed by the token's gate for it (0
+    where the expert was not chosen)."""
+
+    def __init__(self, rngs: nnx.Rngs, experts: int = 4, top_k: int = 2):
+        self.router = linear(DIM, experts, ("embed", None), rngs)
+        self.w_in = nnx.Param(names("expert", "embed", "mlp")(rngs.params(), (experts, DIM, MLP)))
+        self.w_out = nnx.Param(names("expert", "mlp", "embed")(rngs.params(), (experts, MLP, DIM)))
+        self.experts, self.top_k = experts, top_k
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        top, index = jax.lax.top_k(jax.nn.softmax(self.router(x), axis=-1), self.top_k)  # (B, T, k)
+        gates = (
+            jax.nn.one_hot(index, self.experts, dtype=x.dtype) * (top / top.sum(-1, keepdims=True))[..., None]
+        ).sum(2)
+        out = jnp.zeros_like(x)
+        for e in range(self.experts):
+            hidden = jax.nn.gelu(x @ self.w_in[e])  # (B, T, F)
+            out = out + (hidden @ self.w_out[e]) * gates[..., e : e + 1]
+        return out
+
+
+def looped_moe_lm(rngs: nnx.Rngs) -> LlamaStyleLM:
+    return LlamaStyleLM(rngs, mlp=LoopedExperts)
+
+
 # -- Encoder-decoder ---------------------------------------------------------------------------
 
 
@@ -476,5 +505,6 @@ ZOO: dict[str, ZooEntry] = {
     "linen_moe": ZooEntry(None, token_batch, next_token, True, linen=LinenLM(LINEN_MOE_CONFIG)),
     "sorted_moe": ZooEntry(sorted_moe_lm, token_batch, next_token, True),
     "shared_expert_moe": ZooEntry(shared_expert_lm, token_batch, next_token, True),
+    "looped_moe": ZooEntry(looped_moe_lm, token_batch, next_token, True),
     "cnn_batchnorm": ZooEntry(SmallResNet, image_batch, classification, False),
 }

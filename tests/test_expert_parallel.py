@@ -159,7 +159,7 @@ def test_a_users_mixture_moves_tokens_to_its_experts_not_weights_to_its_tokens(n
     assert r.lower_bound["bytes_expert"] > 0 and expert_traffic(r), r.table()
 
 
-@pytest.mark.parametrize("name", MOE_ZOO)
+@pytest.mark.parametrize("name", [*MOE_ZOO, "looped_moe"])
 def test_a_users_mixture_under_an_expert_layout_trains_as_one_device(name):
     t = quiet_trainer(name, EXPERT_LAYOUT)
     state, losses = t.init(seed=0), []
@@ -305,3 +305,14 @@ def test_the_steps_metrics_say_where_the_tokens_went_as_one_device_routes_them(l
     assert float(metrics["expert_tokens_max"]) == float(load.tokens.max())
     expected = float(load.dropped.sum() / load.pairs.sum())
     assert float(metrics["dropped_fraction"]) == pytest.approx(expected, abs=1e-6) and 0.0 < expected < 1.0
+
+
+def test_the_report_names_a_loop_over_the_experts_and_the_forms_that_fix_it():
+    # w[e] for each expert e: each expert's weights reach every device, and their gradients are
+    # summed over expert; no rewrite re-rolls the loop, so the report says what to write instead.
+    r = report("looped_moe", EXPERT_LAYOUT)
+    excess = r.moved_bytes - r.lower_bound["bytes_per_device"]
+    named = r.beyond()
+    assert r.ratios["bytes"] > 2 and sum(e.moved_bytes for e in named) >= 0.9 * excess, r.table()
+    experts = [e for e in named if "/mlp/" in e.op and e.moved_bytes >= 0.05 * excess]
+    assert experts and all("sk.parallel.moe_layer" in e.fix for e in experts), r.table()

@@ -396,6 +396,14 @@ def explain(
             "keep from_nnx/from_linen's boundaries on, or sk.constrain the activation's batch dimension; "
             "a batch statistic is expected.",
         )
+    if term == "parameters" and experts and "expert" in c.axes and c.kind == "all-reduce":
+        return (
+            f"gradients all-reduced over {axes} beyond the bound, in a mixture of experts: an expert's weight used "
+            "on every device (a loop over the experts' slices, w[e] for each e, or a weight gathered over expert) "
+            "has its gradient computed everywhere and summed over expert, where each expert's gradient is its own "
+            "group's rows.",
+            FIX_EXPERTS,
+        )
     if term == "parameters":
         return (
             f"gradients reduced over {axes} beyond ZeRO's reduce-scatter of every parameter: parameters kept whole "
