@@ -324,7 +324,7 @@ def plan(
         )
 
     def answer(interrupted: bool = False) -> PlanResult:
-        why = "interrupted" if interrupted else f"past the time limit of {options.time_limit:g} s"
+        why = "interrupted" if interrupted else f"past the time limit of {options.time_limit or 0:g} s"
         rows_now = rows + [plan_of(c, budget, hw, dtype, "" if c in finished else why) for c in chosen]
         return _result(question, rows_now, len(layouts), len(finished), time.perf_counter() - start, interrupted)
 
