@@ -130,6 +130,16 @@ def test_many_groups_on_cpu_take_blocks_at_memory_linear_in_the_rows():
     assert temp(jax.lax.ragged_dot) > 30 * out_bytes  # JAX's expansion: every group on every row
 
 
+def test_the_blocks_gradient_holds_no_copy_of_a_weight_per_block():
+    # 320 blocks of 8 rows over 64 groups: differentiating the scan would keep each block's
+    # (256, 256) weight as a residual, 320 x 256 KB = 84 MB; the blocks' own gradient keeps the
+    # inputs and adds into one (G, K, N) buffer.
+    x, w, sizes = jnp.ones((2048, 256)), jnp.ones((64, 256, 256)), jnp.full((64,), 32)
+    grads = jax.grad(lambda x, w: blocked_matmul(x, w, sizes, block=8).sum(), (0, 1))
+    temp = jax.jit(grads).lower(x, w).compile().memory_analysis().temp_size_in_bytes
+    assert temp < 3 * w.size * 4, temp / 1e6
+
+
 def test_an_unknown_dispatch_is_refused_naming_the_choices():
     with pytest.raises(InputError, match="dispatch='gather'.*'einsum', 'sorted'"):
         moe_layer(*layer_inputs(), top_k=2, dispatch="gather")
