@@ -260,8 +260,7 @@ def test_pruning_by_the_estimate_keeps_the_best_plan(tmp_path):
     "source, devices, batch, seq, skips",
     [
         ({"model": "tiny"}, 8, 16, 64, True),  # every compiled step is slower than its estimate: skips
-        # fsdp=256,tensor=2 compiles at 0.97x its estimate: from then on every layout of the top is compiled
-        ({"init_from": "llama-3.1-70b"}, 512, 1024, 4096, False),
+        ({"init_from": "llama-3.1-70b"}, 512, 1024, 4096, True),
     ],
 )
 def test_skipping_layouts_estimated_slower_than_a_compiled_plan_keeps_the_best(
@@ -283,6 +282,21 @@ def test_skipping_layouts_estimated_slower_than_a_compiled_plan_keeps_the_best(
     assert every["compiled"] == 6 and (kept["compiled"] < 6) == skips
     skipped = [p for p in kept["plans"] if "slower than a compiled plan" in p["note"]]
     assert len(skipped) == every["compiled"] - kept["compiled"]
+
+
+def test_one_layout_faster_than_its_estimate_turns_the_skip_off():
+    from shardkit.plan.planner import _Bound
+
+    def row(predicted, estimated, fits=True):
+        return Plan(
+            "data=8", 1, "none", fits, 1.0, {}, predicted_step_seconds=predicted, estimated_step_seconds=estimated
+        )
+
+    bound = _Bound()
+    bound.see(row(2.0, 1.0))  # slower than its estimate: the estimate is a lower bound so far
+    assert bound.rules_out(2.5) and not bound.rules_out(1.5)
+    bound.see(row(0.9, 1.0, fits=False))  # one compiled faster than its estimate: no more skips
+    assert not bound.rules_out(2.5)
 
 
 def _plan_workers(marker: str) -> list[int]:

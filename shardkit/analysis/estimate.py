@@ -224,6 +224,20 @@ def _activation_bytes(
     return activations * ACTIVATION_OVERHEAD
 
 
+def _gathered_layer_bytes(sizes: ModelSizes, shape: dict[str, int], c: int) -> float:
+    """The largest layer's weights gathered over ``fsdp`` for its matmuls (ZeRO-3, at the compute
+    dtype) and their fp32 gradient before its reduce-scatter: a transient the per-layer
+    activations do not count, and the largest one a mixture of experts has (DeepSeek-V3's expert
+    layer holds 11.3B parameters, 1.4B a device under tensor=4,expert=2: 8.5 GB)."""
+    f, t, e = (shape.get(axis, 1) for axis in ("fsdp", "tensor", "expert"))
+    if f == 1 or not sizes.layers:
+        return 0.0
+    lookups = 2 * sizes.vocab * sizes.dim  # the embedding and the head are not a layer's
+    dense = max(0, sizes.params - sizes.expert_params - lookups) / sizes.layers
+    experts = sizes.expert_params / sizes.mixture_layers if sizes.mixture_layers else 0.0
+    return (dense / t + experts / (t * e)) * (c + 4)
+
+
 def _flops_per_device(sizes: ModelSizes, shape: dict[str, int], batch: int, seq: int, remat: str, mb: int) -> float:
     """Model FLOPs split over every device, with recomputation and the pipeline's idle slots."""
     matmul = float(sizes.matmul_params or sizes.params)
@@ -344,6 +358,7 @@ def analytic(
     state = stored + updated / (d if zero else 1)
     grads = held * policy.grad_bytes_per_param / (d if zero >= 2 else 1)
     activations = _activation_bytes(sizes, shape, batch, seq, compute_itemsize, remat, microbatches, schedule)
+    activations += _gathered_layer_bytes(sizes, shape, compute_itemsize)
     flops = _flops_per_device(sizes, shape, batch, seq, remat, microbatches)
     compute = flops / hw.peak_flops("bfloat16" if compute_itemsize == 2 else "float32")
     stored_itemsize = jnp.dtype(policy.params).itemsize
