@@ -3,8 +3,9 @@
 ``python -m shardkit.plan.workers DEVICES`` is one worker: it starts JAX once with ``DEVICES``
 simulated CPU devices, then reads one job per line on stdin, ``{"configs": [DryRunConfig fields,
 ...], "budget": bytes}``, compiles the configurations in order until one fits the budget, and
-answers one line on stdout, ``{"results": [report dicts]}`` (with ``"error"`` when a
-configuration failed to compile). The planner keeps a few alive so that each compile pays for
+answers one line on stdout for each, ``{"result": report dict}``, then ``{"end": true}`` (with
+``"error"`` when a configuration failed to compile). A job stopped part way (the planner's time
+limit) keeps the settings it compiled. The planner keeps a few alive so that each compile pays for
 JAX's start-up only once per process, and kills them when it ends, Ctrl-C included.
 
 Past the CPU compiler's 2048 devices no process can hold the mesh: each configuration is then
@@ -59,24 +60,32 @@ class Workers:
         self.idle: list[int] = list(range(count))
         self.lock = threading.Lock()
 
-    def run(self, configs: list[DryRunConfig], budget: float) -> dict[str, Any]:
-        """Compile ``configs`` in order on an idle worker until one fits; its reply."""
+    def run(self, configs: list[DryRunConfig], budget: float, results: list[dict[str, Any]]) -> str:
+        """Compile ``configs`` in order on an idle worker until one fits, each report appended to
+        ``results`` as it arrives; the error of one that failed ("" if none)."""
         with self.lock:
             i = self.idle.pop()
         proc, log = self.procs[i], self.logs[i]
         assert proc.stdin is not None and proc.stdout is not None
+        reply: dict[str, Any] = {}
         try:
             proc.stdin.write(json.dumps({"configs": [dataclasses.asdict(c) for c in configs], "budget": budget}) + "\n")
             proc.stdin.flush()
-            line = proc.stdout.readline()
+            while "end" not in reply:
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                reply = json.loads(line)
+                if "result" in reply:
+                    results.append(reply["result"])
         except (BrokenPipeError, OSError):
-            line = ""
-        if not line:
+            pass
+        if "end" not in reply:
             log.seek(0)
             raise ClusterError(f"A planner worker process ended unexpectedly:\n{log.read()[-2000:]}")
         with self.lock:
             self.idle.append(i)
-        return json.loads(line)
+        return str(reply.get("error", ""))
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -144,14 +153,16 @@ def compile_candidates(
             if job is None:
                 return
             try:
-                reply = pool.run(job.configs, budget)
+                error = pool.run(job.configs, budget, job.results)
             except ClusterError:
-                if stopped.is_set():  # its worker was stopped at the time limit
-                    return
-                raise
+                if not stopped.is_set():
+                    raise
+                with lock:  # its worker was stopped at the time limit: what it compiled counts
+                    if job.results:
+                        done(job)
+                return
             with lock:
-                job.results.extend(reply["results"])
-                job.error = reply.get("error", "")
+                job.error = error
                 done(job)
 
     try:
@@ -221,15 +232,21 @@ def serve(devices: int, jobs: TextIO, replies: TextIO) -> None:
     """A worker: answer each job line of ``jobs`` with one line on ``replies``."""
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", devices)
+
+    def compile_and_send(fields: dict[str, Any]) -> dict[str, Any]:
+        result = _in_process(DryRunConfig(**fields))
+        replies.write(json.dumps({"result": result}) + "\n")
+        replies.flush()
+        return result
+
     for line in jobs:
         job = json.loads(line)
-        results: list[dict[str, Any]] = []
-        reply: dict[str, Any] = {"results": results}
+        end: dict[str, Any] = {"end": True}
         try:
-            _until_fits(job["configs"], lambda fields: _in_process(DryRunConfig(**fields)), job["budget"], results)
+            _until_fits(job["configs"], compile_and_send, job["budget"], [])
         except Exception as e:  # one layout that fails to compile is one row of the plan, not the end of it
-            reply["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-        replies.write(json.dumps(reply) + "\n")
+            end["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        replies.write(json.dumps(end) + "\n")
         replies.flush()
 
 
