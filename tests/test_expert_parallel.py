@@ -316,3 +316,28 @@ def test_the_report_names_a_loop_over_the_experts_and_the_forms_that_fix_it():
     assert r.ratios["bytes"] > 2 and sum(e.moved_bytes for e in named) >= 0.9 * excess, r.table()
     experts = [e for e in named if "/mlp/" in e.op and e.moved_bytes >= 0.05 * excess]
     assert experts and all("sk.parallel.moe_layer" in e.fix for e in experts), r.table()
+
+
+def test_evaluation_runs_the_placed_mixture_as_the_step_does():
+    # The held-out loss compiles the same placed forward pass as the step: one device's loss, and
+    # the experts' weights stay where they live (unplaced, XLA gathers them over expert).
+    from test_zoo import LR
+    from zoo_factories import trainer
+
+    from shardkit.analysis import hlo
+
+    batch = batches("user_moe")[0]
+    one = trainer("user_moe", optax.adamw(LR), "data=1", devices=jax.devices()[:1])
+    expected = float(one.evaluate(one.init(0).params, one.shard_batch(batch))["loss"])
+    weights = 4 * 64 * 256 * 4  # a layer's stacked expert matrix
+    gathered = {}
+    for place in (True, False):
+        t = trainer("user_moe", optax.adamw(LR), EXPERT_LAYOUT, place_experts=place)
+        loss = float(t.evaluate(t.init(0).params, t.shard_batch(batch))["loss"])
+        np.testing.assert_allclose(loss, expected, rtol=2e-5)
+        program = next(c for key, c in t._compiled.items() if key[0] == "evaluate").as_text()
+        moved = hlo.collectives(program)
+        gathered[place] = [c for c in moved if c.kind == "all-gather" and c.payload_bytes >= weights]
+        if place:
+            assert [c for c in moved if c.kind == "all-to-all"], "tokens travel to their experts"
+    assert gathered[False] and not gathered[True]
