@@ -1,5 +1,6 @@
 """Every test process sees 8 simulated CPU devices, set before JAX starts its backend."""
 
+import gc
 import pathlib
 import sys
 
@@ -24,3 +25,19 @@ assert len(jax.devices()) == 8, "conftest must run before anything starts JAX"
 @pytest.fixture(scope="session")
 def devices():
     return jax.devices()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs(request):
+    """After each test module, the compiled programs its tests and caches hold are let go (the
+    module's functools caches cleared, then JAX's): a worker of the suite compiles thousands of
+    programs in one process, and XLA:CPU keeps each loaded executable's code while anything
+    refers to it (two crashes of a worker inside XLA's compiler, late in a full run, are what
+    this guards against)."""
+    yield
+    for value in list(vars(request.module).values()):
+        clear = getattr(value, "cache_clear", None)
+        if callable(clear):
+            clear()
+    jax.clear_caches()
+    gc.collect()

@@ -329,6 +329,8 @@ def explain(
     experts' dispatch, so traffic over ``expert`` is the experts')."""
     axes = "+".join(c.axes)
     batch_only = set(c.axes) <= BATCH_AXES
+    if c.kind == "collective-permute" and experts and "expert" in c.axes:  # an expert's slice sent to others
+        return _explain_expert(c)
     if c.kind == "collective-permute" and not {"stage", "sequence"} & set(c.axes):
         return (
             "XLA moved an array between two shardings it could not convert between (an involuntary "
