@@ -111,8 +111,9 @@ def compile_candidates(
     """Compile each job's configurations (until one fits), here or in worker processes, in the
     order given; a job that ``skip`` refuses when its turn comes is not compiled (its
     ``skipped`` is set) and ``done`` is not called for it. Past ``deadline`` (a
-    ``time.perf_counter()`` value) no compile starts and the worker processes are stopped: the
-    jobs they held, and those not started, are left without ``done``."""
+    ``time.perf_counter()`` value) no compile starts and the worker processes are stopped: a job
+    they held counts the settings it compiled (``done`` is called if there is one), and jobs not
+    started are left without ``done``."""
     pending = [j for j in jobs if j.configs]
     if not pending:
         return
@@ -229,7 +230,8 @@ def _one_by_one(
 
 
 def serve(devices: int, jobs: TextIO, replies: TextIO) -> None:
-    """A worker: answer each job line of ``jobs`` with one line on ``replies``."""
+    """A worker: answer each job line of ``jobs`` on ``replies``, a line per compiled setting and
+    an end line."""
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", devices)
 
