@@ -312,6 +312,7 @@ def analytic(
     schedule: str | None = None,
     optimizer_bytes: float | None = None,
     zero: int = 0,
+    activation_itemsize: int | None = None,
 ) -> Estimate:
     """Estimate one step of ``sizes`` under mesh axis sizes ``shape``, without compiling.
 
@@ -332,6 +333,9 @@ def analytic(
         default: AdamW's, read from ``optax.adamw`` in the precision's update dtype).
       zero: ZeRO stage over ``data`` (1: optimizer state and master weights split over it, with
         an all-gather of the parameters after the update; 2: gradients reduce-scattered too).
+      activation_itemsize: bytes per element of the activations held (default
+        ``compute_itemsize``; 4 for bf16 compute compiled by XLA:CPU, which has no bf16
+        arithmetic and holds them converted).
 
     Returns:
       An :class:`Estimate`. Data-parallel and FSDP traffic is counted once per microbatch, as the
@@ -357,8 +361,9 @@ def analytic(
     updated = held * (policy.state_bytes_per_param(optimizer_bytes) - jnp.dtype(policy.params).itemsize)
     state = stored + updated / (d if zero else 1)
     grads = held * policy.grad_bytes_per_param / (d if zero >= 2 else 1)
-    activations = _activation_bytes(sizes, shape, batch, seq, compute_itemsize, remat, microbatches, schedule)
-    activations += _gathered_layer_bytes(sizes, shape, compute_itemsize)
+    held_itemsize = activation_itemsize or compute_itemsize
+    activations = _activation_bytes(sizes, shape, batch, seq, held_itemsize, remat, microbatches, schedule)
+    activations += _gathered_layer_bytes(sizes, shape, held_itemsize)
     flops = _flops_per_device(sizes, shape, batch, seq, remat, microbatches)
     compute = flops / hw.peak_flops("bfloat16" if compute_itemsize == 2 else "float32")
     stored_itemsize = jnp.dtype(policy.params).itemsize
