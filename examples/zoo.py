@@ -249,16 +249,21 @@ def user_moe_lm(rngs: nnx.Rngs) -> LlamaStyleLM:
     return LlamaStyleLM(rngs, mlp=Top2Experts)
 
 
-class SortedExperts(nnx.Module):
-    """Dropless top-2 experts as MegaBlocks-style JAX code writes them: each (token, choice) pair
-    sorted by expert, the experts run as grouped matmuls (``jax.lax.ragged_dot`` over the sorted
-    rows, ``group_sizes`` tokens each), the outputs put back in token order and weighed."""
+class StackedExperts(nnx.Module):
+    """A router and the experts' weights stacked ``(E, D, F)`` and ``(E, F, D)``: what the
+    styles below share; each computes the mixture its own way."""
 
     def __init__(self, rngs: nnx.Rngs, experts: int = 4, top_k: int = 2):
         self.router = linear(DIM, experts, ("embed", None), rngs)
         self.w_in = nnx.Param(names("expert", "embed", "mlp")(rngs.params(), (experts, DIM, MLP)))
         self.w_out = nnx.Param(names("expert", "mlp", "embed")(rngs.params(), (experts, MLP, DIM)))
         self.experts, self.top_k = experts, top_k
+
+
+class SortedExperts(StackedExperts):
+    """Dropless top-2 experts as MegaBlocks-style JAX code writes them: each (token, choice) pair
+    sorted by expert, the experts run as grouped matmuls (``jax.lax.ragged_dot`` over the sorted
+    rows, ``group_sizes`` tokens each), the outputs put back in token order and weighed."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape
@@ -305,16 +310,10 @@ def shared_expert_lm(rngs: nnx.Rngs) -> LlamaStyleLM:
     return LlamaStyleLM(rngs, mlp=SharedAndRoutedExperts)
 
 
-class LoopedExperts(nnx.Module):
+class LoopedExperts(StackedExperts):
     """Top-2 experts as a first version often writes them: a Python loop over the stacked expert
     weights, each expert running every token, its output weighed by the token's gate for it (0
     where the expert was not chosen)."""
-
-    def __init__(self, rngs: nnx.Rngs, experts: int = 4, top_k: int = 2):
-        self.router = linear(DIM, experts, ("embed", None), rngs)
-        self.w_in = nnx.Param(names("expert", "embed", "mlp")(rngs.params(), (experts, DIM, MLP)))
-        self.w_out = nnx.Param(names("expert", "mlp", "embed")(rngs.params(), (experts, MLP, DIM)))
-        self.experts, self.top_k = experts, top_k
 
     def __call__(self, x: jax.Array) -> jax.Array:
         top, index = jax.lax.top_k(jax.nn.softmax(self.router(x), axis=-1), self.top_k)  # (B, T, k)
