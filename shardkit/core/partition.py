@@ -389,6 +389,13 @@ def free_mesh_shape(mesh: Mesh) -> dict[str, int]:
     return {a: 1 if a in taken else size for a, size in mesh.shape.items()}
 
 
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The manual mesh axes ``x`` is typed as differing over, inside a ``shard_map`` (empty
+    outside one)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()))
+
+
 def without_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
     """``spec`` with the mesh ``axes`` removed from every entry (an entry left empty is None)."""
 

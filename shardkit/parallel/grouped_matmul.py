@@ -28,6 +28,8 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
+from shardkit.core.partition import varying_axes
+
 # Groups up to which JAX's dense expansion (G x the output) is used: one, a plain matmul. At four
 # it held 2.8x the blocks' temporaries (DeepSeek-V3 under expert=64, 4 experts a device: 584 GB
 # against 207 GB a device in a 131,072-device dry run, measured).
@@ -121,9 +123,7 @@ _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 def _varying_like(init: jax.Array, *others: jax.Array) -> jax.Array:
     """``init`` typed as differing between devices wherever ``others`` are (inside a
     ``shard_map``, a scan's carry must keep one type, and the blocks' sums vary as the rows do)."""
-    axes: set[str] = set()
-    for x in others:
-        axes |= set(getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", ()))
+    axes = frozenset().union(*(varying_axes(x) for x in others))
     return jax.lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
 
 

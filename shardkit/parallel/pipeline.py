@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit.core.errors import PipelineError
-from shardkit.core.partition import axes_taken
+from shardkit.core.partition import axes_taken, varying_axes
 from shardkit.parallel.schedule import Phase, Schedule
 
 # (layer_params, shared_params, x_in, microbatch, virtual stage, index) -> (x_out, loss, count)
@@ -171,7 +171,7 @@ def pipeline_value_and_grad(
                 # total count the blocks' means weighted by what each scored.
                 weight = 1.0 / (m * n) if total is None else count.astype(jnp.float32) / total
                 seed = jnp.asarray(weight, loss.dtype)
-                if not _varies_over(seed, axis):  # a count read from the stage's rows already varies
+                if axis not in varying_axes(seed):  # a count read from the stage's rows already varies
                     seed = jax.lax.pcast(seed, (axis,), to="varying")
                 if total is not None:
                     loss = loss.astype(jnp.float32) * weight
@@ -269,9 +269,3 @@ def pipeline_value_and_grad(
     if not row_axes:  # GSPMD reduced each slot's gradients: one part
         g_layers, g_shared = jax.tree.map(lambda g: g[0], (g_layers, g_shared))
     return loss, count, g_layers, g_shared
-
-
-def _varies_over(x: jax.Array, axis: str) -> bool:
-    """Whether ``x`` is typed as differing between the devices of manual mesh ``axis``."""
-    manual = getattr(jax.typeof(x), "manual_axis_type", None)
-    return axis in getattr(manual, "varying", frozenset())

@@ -80,7 +80,7 @@ def _split_of(x: jax.Array, n_experts: int, hidden: int, axis: str, whole_rows: 
     shape = dict(mesh.shape)
     names = ("batch", None if whole_rows else "seq", None)
     spec = resolve(names, x.shape, rules, shape, what="mixture-of-experts tokens")
-    token_axes = tuple(a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry))
+    token_axes = tuple(a for entry in spec for a in entry_axes(entry))
     n = shape.get(axis, 1)
     # The exchange needs each expert device to hold its own tokens; tokens whole over the expert
     # axis (or experts it does not divide) leave every device computing every expert instead.
