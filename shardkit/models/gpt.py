@@ -448,21 +448,19 @@ def _balanced(cfg: GPTConfig, params: Any, sums: Mapping[str, jax.Array]) -> Any
     (:func:`~shardkit.parallel.experts.balance_bias`), from ``sums["expert_tokens"]``, ``(L, E)``
     over every layer in order (a dense layer's row is zeros)."""
     tokens, rate = sums["expert_tokens"], cfg.router.balance_rate
+
+    def moved(block: Any, load: jax.Array) -> Any:
+        mlp = block.get("mlp", {})
+        if "score_bias" not in mlp:  # a dense layer, or a stack of them
+            return block
+        return {**block, "mlp": {**mlp, "score_bias": balance_bias(mlp["score_bias"], load, rate)}}
+
     params = dict(params)
     for name, layers in cfg.layer_stacks():
-        stack = params[name]
         if cfg.scan_layers:  # one (layers, E) bias for the stack
-            if "score_bias" in stack.get("mlp", {}):
-                mlp = stack["mlp"]
-                moved = balance_bias(mlp["score_bias"], tokens[layers.start : layers.stop], rate)
-                params[name] = {**stack, "mlp": {**mlp, "score_bias": moved}}
-            continue
-        stack = dict(stack)  # unscanned: {layer: that layer's parameters}
-        for i in layers:
-            mlp = stack[i]["mlp"]
-            if "score_bias" in mlp:
-                stack[i] = {**stack[i], "mlp": {**mlp, "score_bias": balance_bias(mlp["score_bias"], tokens[i], rate)}}
-        params[name] = stack
+            params[name] = moved(params[name], tokens[layers.start : layers.stop])
+        else:  # unscanned: {layer: that layer's parameters}
+            params[name] = {i: moved(params[name][i], tokens[i]) for i in layers}
     return params
 
 
