@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit.parallel.experts import top_k_by_rows
 from shardkit.parallel.input_gradients import bind_retraced, retraced_params
+from shardkit.parallel.sorted_sections import find_sections, run_section
 
 # Operations that hand an operand's values on with its dimensions in the same order (a weight
 # keeps its expert dimension where it was).
@@ -65,6 +66,7 @@ def place_experts(
     mesh: Mesh,
     axis: str = "expert",
     grouped_specs: Mapping[int, PartitionSpec] | None = None,
+    token_axes: Sequence[str] | None = None,
 ) -> Callable[..., Any]:
     """``fn`` with the expert dimension of each expert matmul constrained to mesh axis ``axis``.
 
@@ -78,6 +80,8 @@ def place_experts(
         split without the axes that split the rows (ZeRO-3's gather). Left alone, XLA's
         partitioner reduces a grouped matmul's (``jax.lax.ragged_dot``) or a dense mixture's
         output over a row axis that splits the weight (ZeRO-3 turned into tensor parallelism).
+      token_axes: the mesh axes that split the tokens' rows (default: ``axis`` alone), over
+        which a sort-and-grouped-matmul section runs (:mod:`shardkit.parallel.sorted_sections`).
 
     Returns:
       A function of the same arguments and results.
@@ -90,7 +94,7 @@ def place_experts(
         closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(*shapes)
         dims = [expert_dims.get(i) if i < n_params else None for i in range(len(flat))]
         specs = [(grouped_specs or {}).get(i) if i < n_params else None for i in range(len(flat))]
-        walk = _Placement(mesh, axis)
+        walk = _Placement(mesh, axis, tuple(token_axes) if token_axes is not None else (axis,))
         outs = walk.evaluate(closed.jaxpr, closed.consts, flat, dims, specs)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -101,8 +105,8 @@ class _Placement:
     """Evaluates a jaxpr as traced, with the expert constraints placed; tracks, for each value
     that is (a view of) an expert weight, which of its dimensions indexes the experts."""
 
-    def __init__(self, mesh: Mesh, axis: str):
-        self.mesh, self.axis, self.placed = mesh, axis, 0
+    def __init__(self, mesh: Mesh, axis: str, token_axes: tuple[str, ...]):
+        self.mesh, self.axis, self.token_axes, self.placed = mesh, axis, token_axes, 0
 
     def constrain(self, x: jax.Array, dim: int, axis: str | None = "") -> jax.Array:
         """``x`` with dimension ``dim`` split over the experts' axis (or over ``axis``; None: whole)."""
@@ -131,10 +135,19 @@ class _Placement:
         for v, d in zip(jaxpr.invars, dims, strict=True):
             if d is not None:
                 where[v] = d
+        sections = find_sections(jaxpr, _expert_views(jaxpr, where)) if where else {}
         for eqn in jaxpr.eqns:
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-                outs = self._equation(eqn, [read(v) for v in eqn.invars], [_get(where, v) for v in eqn.invars])
+                section = sections.get(eqn.outvars[0]) if eqn.outvars else None
+                routed = None if section is None else run_section(section, read, self.mesh, self.axis, self.token_axes)
+                if routed is not None:
+                    self.placed += 1
+                outs = (
+                    [routed]
+                    if routed is not None
+                    else self._equation(eqn, [read(v) for v in eqn.invars], [_get(where, v) for v in eqn.invars])
+                )
             for v, x in zip(eqn.outvars, outs, strict=True):
                 env[v] = x
             _follow(eqn, where)
@@ -213,6 +226,14 @@ class _Placement:
         )
         self.routed, self.grouped = routed, grouped
         return None if self.placed == before else rewritten
+
+
+def _expert_views(jaxpr: Jaxpr, where: dict[Any, int]) -> dict[Any, int]:
+    """The expert dimension of every view of an expert weight in ``jaxpr``, from its inputs'."""
+    views = dict(where)
+    for eqn in jaxpr.eqns:
+        _follow(eqn, views)
+    return views
 
 
 def _follow(eqn: Any, where: dict[Any, int], elementwise: bool = False) -> None:

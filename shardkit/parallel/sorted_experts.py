@@ -240,27 +240,65 @@ def _local(
 ) -> tuple[jax.Array, jax.Array]:
     """One device's part: its tokens ``x (b, t, D)`` out, the rows of its experts in, both back."""
     b, t, d = x.shape
+    k = experts.shape[-1]
+    kept = None
+    if capacity_factor is not None:
+        kept = kept_by_capacity(experts, row_capacity(t, k, n_experts, capacity_factor)).reshape(b * t, k)
+    c = slots_per_destination(b, t, k, n_experts, split.experts_over, capacity_factor)
+    run = lambda rows, slot_expert, local: _grouped_experts(rows, slot_expert, local, weights, split, activation, glu)
+    unsorted, sent = routed_pairs(x.reshape(b * t, d), experts.reshape(b * t, k), n_experts, split, c, run, kept)
+    y = jnp.einsum("nkd,nk->nd", unsorted, gates.reshape(b * t, k).astype(unsorted.dtype))
+    dropped = jnp.sum(~sent).astype(jnp.float32)
+    return y.reshape(b, t, d), dropped
+
+
+ExpertsRun = Callable[[jax.Array, jax.Array, int], jax.Array]
+
+
+def routed_pairs(
+    tokens: jax.Array,
+    experts: jax.Array,
+    n_experts: int,
+    split: _Split,
+    slots: int,
+    run: ExpertsRun,
+    kept: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """One device's (token, choice) pairs through their experts, wherever the experts live.
+
+    Args:
+      tokens: ``(N, D)`` this device's tokens.
+      experts: ``(N, k)`` int, the experts each token chose.
+      n_experts: ``E``, over the whole mesh.
+      split: how the experts are split (``split.experts_over`` devices over ``split.axis``).
+      slots: ``C``, the rows this device may send each expert device (:func:`slots_per_destination`).
+      run: ``run(rows (M, D), slot_expert (M,), local_experts) -> (M, D')``: the experts here
+        on rows, each for local expert ``slot_expert`` (``local_experts``: an empty slot).
+      kept: ``(N, k)`` bool, the pairs a capacity keeps (None: all).
+
+    Returns:
+      ``(outputs (N, k, D'), sent (N k,))``: each pair's expert output in token order (0 where it
+      was dropped), and which pairs found a slot.
+    """
+    n_tokens, d = tokens.shape
     k, n = experts.shape[-1], split.experts_over
     local_experts = n_experts // n
-    tokens = x.reshape(b * t, d)
-    pairs = b * t * k
-    kept = jnp.ones((pairs,), bool)
-    if capacity_factor is not None:
-        kept = kept_by_capacity(experts, row_capacity(t, k, n_experts, capacity_factor)).reshape(pairs)
-    chosen = jnp.where(kept, experts.reshape(pairs), n_experts)  # dropped pairs sort last, to no device
+    pairs = n_tokens * k
+    kept_flat = jnp.ones((pairs,), bool) if kept is None else kept.reshape(pairs)
+    chosen = jnp.where(kept_flat, experts.reshape(pairs), n_experts)  # dropped pairs sort last, to no device
     order = jnp.argsort(chosen, stable=True)  # (P,) pairs by expert, each token's choices in order
     by_expert = chosen[order]
     dest = by_expert // local_experts  # the device holding each pair's expert (n: dropped)
     per_dest = jnp.zeros((n + 1,), jnp.int32).at[dest].add(1)[:n]
     starts = jnp.cumsum(per_dest) - per_dest
-    c = slots_per_destination(b, t, k, n_experts, n, capacity_factor)
+    c = slots
     place = jnp.arange(pairs) - starts[jnp.minimum(dest, n - 1)]  # the pair's slot among those sent to its device
     sent = (dest < n) & (place < c)  # place < c holds for every kept pair, by C's choice
     # Slot j of destination e holds sorted pair starts[e] + j, if there is one.
     source = starts[:, None] + jnp.arange(c)[None, :]  # (n, C)
     filled = jnp.arange(c)[None, :] < jnp.minimum(per_dest, c)[:, None]
     source = jnp.where(filled, source, 0)
-    rows = jnp.where(filled[..., None], tokens[order[source] // k], 0).astype(x.dtype)  # (n, C, D)
+    rows = jnp.where(filled[..., None], tokens[order[source] // k], 0).astype(tokens.dtype)  # (n, C, D)
     # What each destination needs besides the rows: how many of them are for each of its experts.
     counts = jnp.zeros((n_experts + 1,), jnp.int32).at[by_expert].add(1)[:n_experts].reshape(n, local_experts)
     if n > 1:
@@ -269,17 +307,25 @@ def _local(
     # A source's rows come sorted by expert: slot j is for the expert whose count range holds j.
     ends = jnp.cumsum(counts, axis=-1)  # (n, E_l)
     slot_expert = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(c), side="right"))(ends)  # (n, C); E_l: empty
-    flat_rows, flat_experts = rows.reshape(n * c, d), slot_expert.reshape(n * c)
-    out = _grouped_experts(flat_rows, flat_experts, local_experts, weights, split, activation, glu)
-    out = out.reshape(n, c, d)
+    out = run(rows.reshape(n * c, d), slot_expert.reshape(n * c), local_experts)
+    out = out.reshape(n, c, out.shape[-1])
     if n > 1:
         out = jax.lax.all_to_all(out, split.axis, 0, 0, tiled=True)
-    # Each pair reads its slot's output; the pairs back in token order, weighed by their gates.
-    pair_out = jnp.where(sent[:, None], out[jnp.minimum(dest, n - 1), jnp.clip(place, 0, c - 1)], 0)  # (P, D), sorted
-    unsorted = pair_out[jnp.argsort(order)].reshape(b * t, k, d)
-    y = jnp.einsum("nkd,nk->nd", unsorted, gates.reshape(b * t, k).astype(unsorted.dtype))
-    dropped = jnp.sum(~sent).astype(jnp.float32)
-    return y.reshape(b, t, d), dropped
+    # Each pair reads its slot's output; the pairs back in token order.
+    pair_out = jnp.where(sent[:, None], out[jnp.minimum(dest, n - 1), jnp.clip(place, 0, c - 1)], 0)  # (P, D'), sorted
+    return pair_out[jnp.argsort(order)].reshape(n_tokens, k, -1), sent
+
+
+def by_expert(rows: jax.Array, slot_expert: jax.Array, local_experts: int, fn: Callable[..., jax.Array]) -> jax.Array:
+    """``fn(grouped (M, D), sizes (E_l,), which (M,)) -> (M, D')`` on ``rows`` sorted by their
+    local expert (empty slots, ``local_experts``, last), its output put back in the rows' order,
+    empty slots 0."""
+    order = jnp.argsort(slot_expert, stable=True)
+    grouped_expert = slot_expert[order]
+    sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[grouped_expert].add(1)[:local_experts]
+    valid = (grouped_expert < local_experts)[:, None]
+    out = fn(rows[order], sizes, jnp.minimum(grouped_expert, local_experts - 1))
+    return jnp.where(valid, out, 0)[jnp.argsort(order)]
 
 
 def _grouped_experts(
@@ -294,30 +340,27 @@ def _grouped_experts(
     """``rows (M, D)``, each for local expert ``slot_expert`` (``local_experts``: an empty slot),
     through its expert: ``(M, D)`` in the same order (empty slots 0)."""
     w_in, w_out, in_bias, out_bias = weights
-    m, d = rows.shape
-    order = jnp.argsort(slot_expert, stable=True)
-    grouped_expert = slot_expert[order]
-    sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[grouped_expert].add(1)[:local_experts]
-    grouped = rows[order]
-    valid = (grouped_expert < local_experts)[:, None]
-    which = jnp.minimum(grouped_expert, local_experts - 1)
+    d = rows.shape[-1]
     gated = w_in.ndim == 4
     f = w_in.shape[-1]
     w = w_in.astype(rows.dtype).reshape(local_experts, d, -1)
     platform = split.mesh.devices.flat[0].platform if split.mesh is not None else None
-    h = grouped_matmul(grouped, w, sizes, platform)  # (M, 2F) or (M, F)
-    if in_bias is not None:
-        h = h + in_bias.astype(rows.dtype).reshape(local_experts, -1)[which]
-    if gated:
-        h = h.reshape(m, 2, f)
-        h = glu(h[:, 0], h[:, 1]) if glu is not None else activation(h[:, 0]) * h[:, 1]
-    else:
-        h = activation(h)
-    out = grouped_matmul(h.astype(rows.dtype), w_out.astype(rows.dtype), sizes, platform)  # (M, D)
-    if out_bias is not None:
-        bias = out_bias.astype(rows.dtype)[which]
-        if split.hidden_axis:  # the partial sums over the hidden units are added up: the bias once
-            bias = bias * (jax.lax.axis_index(split.hidden_axis) == 0).astype(rows.dtype)
-        out = out + bias
-    out = jnp.where(valid, out, 0)
-    return out[jnp.argsort(order)]
+
+    def experts(grouped: jax.Array, sizes: jax.Array, which: jax.Array) -> jax.Array:
+        h = grouped_matmul(grouped, w, sizes, platform)  # (M, 2F) or (M, F)
+        if in_bias is not None:
+            h = h + in_bias.astype(rows.dtype).reshape(local_experts, -1)[which]
+        if gated:
+            h = h.reshape(h.shape[0], 2, f)
+            h = glu(h[:, 0], h[:, 1]) if glu is not None else activation(h[:, 0]) * h[:, 1]
+        else:
+            h = activation(h)
+        out = grouped_matmul(h.astype(rows.dtype), w_out.astype(rows.dtype), sizes, platform)  # (M, D)
+        if out_bias is not None:
+            bias = out_bias.astype(rows.dtype)[which]
+            if split.hidden_axis:  # the partial sums over the hidden units are added up: the bias once
+                bias = bias * (jax.lax.axis_index(split.hidden_axis) == 0).astype(rows.dtype)
+            out = out + bias
+        return out
+
+    return by_expert(rows, slot_expert, local_experts, experts)

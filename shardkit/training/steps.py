@@ -477,6 +477,7 @@ def experts_placed(model: Model, plan: ShardingPlan) -> Model:
             grouped[i] = compute
     if not dims and not grouped:
         return model
-    place = lambda fn: place_experts(fn, dims, plan.mesh, grouped_specs=grouped)
+    tokens = dict(plan.rules.rules).get("batch", ())
+    place = lambda fn: place_experts(fn, dims, plan.mesh, grouped_specs=grouped, token_axes=tokens)
     state_apply = None if model.state_apply is None else place(model.state_apply)
     return dataclasses.replace(model, apply=place(model.apply), state_apply=state_apply)

@@ -1,0 +1,109 @@
+"""A user's sort-and-``ragged_dot`` experts, proved row-wise from the traced program and run as
+routed pairs: the same values and gradients as the program as written, computed independently
+on one device, and only where every step of the proof holds."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shardkit.analysis import hlo
+from shardkit.parallel.expert_placement import place_experts
+from shardkit.parallel.sorted_sections import find_sections
+
+E, D, F = 4, 8, 16
+
+
+def params(seed=0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    return {
+        "bias": jax.random.normal(k[0], (2 * F,)),
+        "router": jax.random.normal(k[1], (D, E)),
+        "w_in": jax.random.normal(k[2], (E, D, 2 * F)) / 3,
+        "w_out": jax.random.normal(k[3], (E, F, D)) / 4,
+    }
+
+
+EXPERT_DIMS = {2: 0, 3: 0}  # leaves in tree order: bias, router, w_in, w_out
+
+
+def sorted_mixture(top_k=2, keys_of=None, between=None, put_back=None):
+    """MegaBlocks-style experts on ``(B, T, D)`` tokens; the hooks change one step of it."""
+
+    def moe(p, x):
+        b, t, d = x.shape
+        gates, index = jax.lax.top_k(jax.nn.softmax(x @ p["router"], axis=-1), top_k)
+        flat = index.reshape(-1) if keys_of is None else keys_of(x, index)
+        order = jnp.argsort(flat, stable=True)
+        rows = x.reshape(b * t, d)[order // top_k]
+        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+        h = (jax.lax.ragged_dot(rows, p["w_in"], sizes) + p["bias"]).reshape(-1, 2, F)  # gate and up units
+        h = jax.nn.silu(h[:, 0]) * h[:, 1]
+        h = h if between is None else between(h)
+        out = jax.lax.ragged_dot(h, p["w_out"], sizes)
+        at = order if put_back is None else put_back(order)
+        unsorted = jnp.zeros_like(out).at[at].set(out).reshape(b, t, top_k, d)
+        return jnp.einsum("btkd,btk->btd", unsorted, gates)
+
+    return moe
+
+
+def tokens(seed=1):
+    return jax.random.normal(jax.random.key(seed), (8, 6, D))
+
+
+def sections_of(moe):
+    closed = jax.make_jaxpr(moe)(params(), tokens())
+    leaves = closed.jaxpr.invars
+    return find_sections(closed.jaxpr, {leaves[i]: d for i, d in EXPERT_DIMS.items()})
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def check_placed_equals_written(moe, mesh):
+    placed = place_experts(moe, EXPERT_DIMS, mesh, token_axes=("data", "expert"))
+    p, x = params(), tokens()
+    with jax.default_device(jax.devices()[0]):  # the reference: one device, as written
+        expected = moe(p, x)
+        expected_grads = jax.grad(lambda p, x: moe(p, x).sum(), argnums=(0, 1))(p, x)
+    np.testing.assert_allclose(jax.jit(placed)(p, x), expected, rtol=1e-5, atol=1e-5)
+    grads = jax.jit(jax.grad(lambda p, x: placed(p, x).sum(), argnums=(0, 1)))(p, x)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), grads, expected_grads)
+    return hlo.collectives(jax.jit(placed).lower(p, x).compile().as_text())
+
+
+def test_a_sorted_mixture_runs_as_routed_pairs_with_the_values_as_written(mesh):
+    (section,) = sections_of(sorted_mixture()).values()
+    assert (section.n_experts, section.k, section.m) == (E, 2, 8 * 6 * 2)  # pairs of (token, top-2 choice)
+    moved = check_placed_equals_written(sorted_mixture(), mesh)
+    # One device's 6 tokens x min(top-2, 1 expert a device) rows to each of 4 devices, the counts, the outputs back.
+    all_to_alls = [c for c in moved if c.kind == "all-to-all"]
+    assert sum(c.executions * c.payload_bytes for c in all_to_alls) == 4 * 6 * D * 4 * 2 + 4 * 4
+    assert not [c for c in moved if c.kind == "all-gather" and c.payload_bytes >= E * D * 2 * F * 4 / 4]
+
+
+def test_top_1_keys_of_an_argmax_run_as_pairs_on_their_own(mesh):
+    top_1 = lambda x, index: jnp.argmax(x @ params()["router"], axis=-1).reshape(-1)
+    moe = sorted_mixture(top_k=1, keys_of=top_1)
+    (section,) = sections_of(moe).values()
+    assert section.k == 1 and section.choices is None
+    assert [c for c in check_placed_equals_written(moe, mesh) if c.kind == "all-to-all"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"between": lambda h: jnp.cumsum(h, axis=0)},  # mixes rows: the sort's order matters
+        {"between": lambda h: h - h.mean(0)},  # a reduction over every routed row
+        {"keys_of": lambda x, index: (x.sum(-1, keepdims=True) > 0).astype(jnp.int32).repeat(2, -1).reshape(-1)},
+        {"put_back": lambda order: (order + 1) % order.shape[0]},  # scattered elsewhere than read
+    ],
+    ids=["cumsum over rows", "mean over rows", "keys of no router", "shifted scatter"],
+)
+def test_a_section_that_is_not_provably_row_wise_runs_as_written(change, mesh):
+    moe = sorted_mixture(**change)
+    assert sections_of(moe) == {}
+    assert not [c for c in check_placed_equals_written(moe, mesh) if c.kind == "all-to-all"]
