@@ -45,6 +45,8 @@ from jax._src import source_info_util
 from jax.extend.core import Jaxpr, Literal
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardkit.parallel.embedding_gradients import var_shape
+from shardkit.parallel.expert_loops import Loop, find_loops, stacked_term
 from shardkit.parallel.experts import top_k_by_rows
 from shardkit.parallel.input_gradients import bind_retraced, retraced_params
 from shardkit.parallel.sorted_sections import find_sections, run_section
@@ -135,17 +137,16 @@ class _Placement:
         for v, d in zip(jaxpr.invars, dims, strict=True):
             if d is not None:
                 where[v] = d
-        sections = find_sections(jaxpr, _expert_views(jaxpr, where)) if where else {}
+        views = _expert_views(jaxpr, where) if where else {}
+        sections = find_sections(jaxpr, views) if views else {}
+        loops = find_loops(jaxpr, views) if views else {}
         for eqn in jaxpr.eqns:
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-                section = sections.get(eqn.outvars[0]) if eqn.outvars else None
-                routed = None if section is None else run_section(section, read, self.mesh, self.axis, self.token_axes)
-                if routed is not None:
-                    self.placed += 1
+                rewritten = self._rewritten(eqn, sections, loops, read, views)
                 outs = (
-                    [routed]
-                    if routed is not None
+                    [rewritten]
+                    if rewritten is not None
                     else self._equation(eqn, [read(v) for v in eqn.invars], [_get(where, v) for v in eqn.invars])
                 )
             for v, x in zip(eqn.outvars, outs, strict=True):
@@ -156,6 +157,43 @@ class _Placement:
             if cast_of is not None:
                 self.grouped[eqn.outvars[0]] = cast_of
         return [read(v) for v in jaxpr.outvars]
+
+    def _rewritten(
+        self, eqn: Any, sections: dict[Any, Any], loops: dict[Any, Loop], read: Callable[[Any], Any], views: dict
+    ) -> jax.Array | None:
+        """The value of ``eqn``'s output where it ends a section of sorted experts or a loop over
+        the experts, computed as routed pairs or as one stacked mixture; else None."""
+        out = eqn.outvars[0] if eqn.outvars else None
+        if out in sections:
+            routed = run_section(sections[out], read, self.mesh, self.axis, self.token_axes)
+            if routed is not None:
+                self.placed += 1
+            return routed
+        if out not in loops:
+            return None
+        loop = loops[out]
+        fn, args, axes = stacked_term(loop, read)
+        closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args])
+        inputs = [*loop.stacked, *loop.shared]
+        dims = [0 if axis == 0 and loop.stacked[v][0] in views else None for v, axis in zip(inputs, axes, strict=True)]
+        specs = [self._stacked_spec(loop.stacked[v]) if d is not None else None for v, d in zip(inputs, dims)]
+        routed, grouped = self.routed, self.grouped
+        (terms,) = self.evaluate(closed.jaxpr, closed.consts, args, dims, specs)
+        self.routed, self.grouped = routed, grouped
+        total = terms.sum(0)
+        return total if loop.init is None else read(loop.init) + total
+
+    def _stacked_spec(self, stacked: tuple[Any, int, bool]) -> PartitionSpec | None:
+        """How a matmul reads a loop's stacked weight (experts first): its grouped split moved."""
+        src, dim, squeezed = stacked
+        spec = _get(self.grouped, src)
+        if spec is None:
+            return None
+        entries = list(tuple(spec)) + [None] * (len(var_shape(src)) - len(tuple(spec)))
+        entries.insert(0, entries.pop(dim))
+        if not squeezed:
+            entries.insert(dim + 1, None)
+        return PartitionSpec(*entries)
 
     def _equation(self, eqn: Any, args: list[Any], dims: list[int | None]) -> list[Any]:
         name = eqn.primitive.name

@@ -1,0 +1,92 @@
+"""A Python loop over the experts, matched copy by copy in the traced program and computed as one
+stacked mixture: the same values and gradients as the loop as written (computed on one device),
+and only where every copy is the same computation on its own expert."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shardkit.analysis import hlo
+from shardkit.parallel.expert_loops import find_loops
+from shardkit.parallel.expert_placement import place_experts
+
+E, D, F = 4, 8, 16
+EXPERT_DIMS = {2: 0, 3: 0}  # leaves in tree order: router, shared, w_in, w_out
+
+
+def params(seed=0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    return {
+        "router": jax.random.normal(k[0], (D, E)),
+        "shared": jax.random.normal(k[1], (D, D)) / 3,
+        "w_in": jax.random.normal(k[2], (E, D, F)) / 3,
+        "w_out": jax.random.normal(k[3], (E, F, D)) / 4,
+    }
+
+
+def looped(experts=range(E), unit=lambda e: jax.nn.gelu, init=False):
+    """Top-2 experts as a loop: each expert on every token, weighed by its gate (0 if not chosen)."""
+
+    def moe(p, x):
+        top, index = jax.lax.top_k(jax.nn.softmax(x @ p["router"], axis=-1), 2)
+        gates = (jax.nn.one_hot(index, E) * (top / top.sum(-1, keepdims=True))[..., None]).sum(2)
+        out = x @ p["shared"] if init else jnp.zeros_like(x)
+        for e in experts:
+            out = out + (unit(e)(x @ p["w_in"][e]) @ p["w_out"][e]) * gates[..., e : e + 1]
+        return out
+
+    return moe
+
+
+def tokens():
+    return jax.random.normal(jax.random.key(1), (8, 6, D))
+
+
+def loops_of(moe):
+    closed = jax.make_jaxpr(moe)(params(), tokens())
+    leaves = closed.jaxpr.invars
+    return find_loops(closed.jaxpr, {leaves[i]: d for i, d in EXPERT_DIMS.items()})
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def placed_collectives(moe, mesh):
+    placed = place_experts(moe, EXPERT_DIMS, mesh, token_axes=("data", "expert"))
+    p, x = params(), tokens()
+    with jax.default_device(jax.devices()[0]):  # the reference: one device, the loop as written
+        expected = moe(p, x)
+        expected_grads = jax.grad(lambda p, x: moe(p, x).sum(), argnums=(0, 1))(p, x)
+    np.testing.assert_allclose(jax.jit(placed)(p, x), expected, rtol=1e-5, atol=1e-5)
+    grads = jax.jit(jax.grad(lambda p, x: placed(p, x).sum(), argnums=(0, 1)))(p, x)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads, expected_grads)
+    return hlo.collectives(jax.jit(jax.grad(lambda p, x: placed(p, x).sum())).lower(p, x).compile().as_text())
+
+
+@pytest.mark.parametrize("init", [False, True], ids=["from zeros", "onto a shared expert"])
+def test_a_loop_over_the_experts_runs_stacked_with_the_values_as_written(init, mesh):
+    moe = looped(init=init)
+    (loop,) = loops_of(moe).values()
+    assert loop.experts == E and loop.init is not None  # zeros, or the shared expert's output
+    assert len(loop.stacked) == 3  # w_in[e], w_out[e] and the gates' column e
+    moved = placed_collectives(moe, mesh)
+    # The experts' weights stay where they live: no gather of an expert's matrix over the experts.
+    weight = D * F * 4
+    assert not [c for c in moved if c.kind == "all-gather" and c.payload_bytes >= weight], moved
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"experts": range(E - 1)},  # the last expert left out: not the stacked weights
+        {"unit": lambda e: jnp.tanh if e == 2 else jax.nn.gelu},  # one copy computes something else
+    ],
+    ids=["three of four experts", "a copy that differs"],
+)
+def test_a_loop_whose_copies_are_not_one_computation_runs_as_written(change, mesh):
+    moe = looped(**change)
+    assert loops_of(moe) == {}
+    placed_collectives(moe, mesh)
