@@ -182,7 +182,8 @@ def _key(
 ) -> tuple[Hashable, int] | None:
     """``(signature, copy)`` of an equation on copy values: the same signature for each copy's
     equation of one loop; None where its operands come from different copies."""
-    copies, operands = set(), []
+    copies: set[int] = set()
+    operands: list[Hashable] = []
     for a in eqn.invars:
         if isinstance(a, Literal):
             operands.append(("literal", repr(a.val), str(a.aval)))
@@ -220,7 +221,8 @@ def _fold(terms: list[JVar], consumers: Mapping[JVar, list[JaxprEqn]]) -> tuple[
         return None
     eqn = first[0]
     other = eqn.invars[1] if eqn.invars[0] is terms[0] else eqn.invars[0]
-    init, rest = other, terms[1:]
+    init: JVar | None = other
+    rest = terms[1:]
     if other is terms[1]:
         init, rest = None, terms[2:]
     if isinstance(init, Literal) or (init is not None and var_shape(init) != var_shape(terms[0])):

@@ -177,9 +177,9 @@ class _Placement:
         inputs = [*loop.stacked, *loop.shared]
         dims = [0 if axis == 0 and loop.stacked[v][0] in views else None for v, axis in zip(inputs, axes, strict=True)]
         specs = [self._stacked_spec(loop.stacked[v]) if d is not None else None for v, d in zip(inputs, dims)]
-        routed, grouped = self.routed, self.grouped
+        outer = self.routed, self.grouped
         (terms,) = self.evaluate(closed.jaxpr, closed.consts, args, dims, specs)
-        self.routed, self.grouped = routed, grouped
+        self.routed, self.grouped = outer
         total = terms.sum(0)
         return total if loop.init is None else read(loop.init) + total
 
