@@ -6,12 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit.analysis import hlo
 from shardkit.parallel.expert_loops import find_loops
 from shardkit.parallel.expert_placement import place_experts
 
-E, D, F = 4, 8, 16
+E, D, F = 4, 8, 64
 EXPERT_DIMS = {2: 0, 3: 0}  # leaves in tree order: router, shared, w_in, w_out
 
 
@@ -60,10 +61,15 @@ def placed_collectives(moe, mesh):
     with jax.default_device(jax.devices()[0]):  # the reference: one device, the loop as written
         expected = moe(p, x)
         expected_grads = jax.grad(lambda p, x: moe(p, x).sum(), argnums=(0, 1))(p, x)
+    # The experts' weights split over expert, the tokens' rows over every axis, as a step holds them.
+    split = lambda name: NamedSharding(mesh, PartitionSpec("expert") if name.startswith("w_") else PartitionSpec())
+    p = {name: jax.device_put(value, split(name)) for name, value in p.items()}
+    x = jax.device_put(x, NamedSharding(mesh, PartitionSpec(("data", "expert"))))
     np.testing.assert_allclose(jax.jit(placed)(p, x), expected, rtol=1e-5, atol=1e-5)
     grads = jax.jit(jax.grad(lambda p, x: placed(p, x).sum(), argnums=(0, 1)))(p, x)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads, expected_grads)
-    return hlo.collectives(jax.jit(jax.grad(lambda p, x: placed(p, x).sum())).lower(p, x).compile().as_text())
+    program = jax.jit(jax.grad(lambda p, x: placed(p, x).sum(), argnums=(0, 1))).lower(p, x).compile()
+    return hlo.collectives(program.as_text())
 
 
 @pytest.mark.parametrize("init", [False, True], ids=["from zeros", "onto a shared expert"])
@@ -72,10 +78,15 @@ def test_a_loop_over_the_experts_runs_stacked_with_the_values_as_written(init, m
     (loop,) = loops_of(moe).values()
     assert loop.experts == E and loop.init is not None  # zeros, or the shared expert's output
     assert len(loop.stacked) == 3  # w_in[e], w_out[e] and the gates' column e
-    moved = placed_collectives(moe, mesh)
-    # The experts' weights stay where they live: no gather of an expert's matrix over the experts.
-    weight = D * F * 4
-    assert not [c for c in moved if c.kind == "all-gather" and c.payload_bytes >= weight], moved
+    assert_experts_stay(placed_collectives(moe, mesh))
+
+
+def assert_experts_stay(moved):
+    """No expert's matrix moves between devices, and no device reduces every expert's gradient:
+    each device's gradients are its own experts' (a loop left as written sends each w[e] around and
+    all-reduces all E experts' gradients)."""
+    assert not [c for c in moved if c.kind in ("all-gather", "collective-permute") and c.payload_bytes >= D * F * 4]
+    assert max(c.payload_bytes for c in moved if c.kind == "all-reduce") < E * D * F * 4, moved
 
 
 @pytest.mark.parametrize(
@@ -90,3 +101,7 @@ def test_a_loop_whose_copies_are_not_one_computation_runs_as_written(change, mes
     moe = looped(**change)
     assert loops_of(moe) == {}
     placed_collectives(moe, mesh)
+
+
+def test_a_loop_inside_a_rematerialised_layer_is_re_rolled_there(mesh):
+    assert_experts_stay(placed_collectives(jax.checkpoint(looped()), mesh))

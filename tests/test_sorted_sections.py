@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit.analysis import hlo
 from shardkit.parallel.expert_placement import place_experts
@@ -69,20 +70,28 @@ def check_placed_equals_written(moe, mesh):
     with jax.default_device(jax.devices()[0]):  # the reference: one device, as written
         expected = moe(p, x)
         expected_grads = jax.grad(lambda p, x: moe(p, x).sum(), argnums=(0, 1))(p, x)
+    # The experts' weights split over expert, the tokens' rows over every axis, as a step holds them.
+    split = lambda name: NamedSharding(mesh, PartitionSpec("expert") if name.startswith("w_") else PartitionSpec())
+    p = {name: jax.device_put(value, split(name)) for name, value in p.items()}
+    x = jax.device_put(x, NamedSharding(mesh, PartitionSpec(("data", "expert"))))
     np.testing.assert_allclose(jax.jit(placed)(p, x), expected, rtol=1e-5, atol=1e-5)
     grads = jax.jit(jax.grad(lambda p, x: placed(p, x).sum(), argnums=(0, 1)))(p, x)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), grads, expected_grads)
-    return hlo.collectives(jax.jit(placed).lower(p, x).compile().as_text())
+    program = jax.jit(jax.grad(lambda p, x: placed(p, x).sum(), argnums=(0, 1))).lower(p, x).compile()
+    return hlo.collectives(program.as_text())
 
 
 def test_a_sorted_mixture_runs_as_routed_pairs_with_the_values_as_written(mesh):
     (section,) = sections_of(sorted_mixture()).values()
     assert (section.n_experts, section.k, section.m) == (E, 2, 8 * 6 * 2)  # pairs of (token, top-2 choice)
     moved = check_placed_equals_written(sorted_mixture(), mesh)
-    # One device's 6 tokens x min(top-2, 1 expert a device) rows to each of 4 devices, the counts, the outputs back.
+    # One device's 6 tokens x min(top-2, 1 expert a device) rows to each of 4 devices, the counts,
+    # the outputs back; the backward pass sends the rows' and the outputs' gradients.
     all_to_alls = [c for c in moved if c.kind == "all-to-all"]
-    assert sum(c.executions * c.payload_bytes for c in all_to_alls) == 4 * 6 * D * 4 * 2 + 4 * 4
-    assert not [c for c in moved if c.kind == "all-gather" and c.payload_bytes >= E * D * 2 * F * 4 / 4]
+    assert sum(c.executions * c.payload_bytes for c in all_to_alls) == 4 * (4 * 6 * D * 4) + 4 * 4
+    # No expert's matrix moves, and each device reduces only its own experts' gradients (over data).
+    assert not [c for c in moved if c.kind in ("all-gather", "collective-permute") and c.payload_bytes >= D * F * 4]
+    assert max(c.payload_bytes for c in moved if c.kind == "all-reduce") < E * D * 3 * F * 4, moved
 
 
 def test_top_1_keys_of_an_argmax_run_as_pairs_on_their_own(mesh):
@@ -107,3 +116,10 @@ def test_a_section_that_is_not_provably_row_wise_runs_as_written(change, mesh):
     moe = sorted_mixture(**change)
     assert sections_of(moe) == {}
     assert not [c for c in check_placed_equals_written(moe, mesh) if c.kind == "all-to-all"]
+
+
+def test_a_section_inside_a_rematerialised_layer_is_found_there(mesh):
+    # nnx.remat / jax.checkpoint put the layer in an inner program: the placement re-traces it
+    # with the section rewritten inside, and the backward pass recomputes the routed pairs.
+    moved = check_placed_equals_written(jax.checkpoint(sorted_mixture()), mesh)
+    assert [c for c in moved if c.kind == "all-to-all"]
