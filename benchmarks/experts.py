@@ -7,8 +7,10 @@ The models: shardkit's ``tiny-moe`` GPT (``gpt``: its default sorted dispatch, t
 expert and grouped matmuls with capacity 1.25; ``gpt_einsum``: GShard's einsum dispatch, the same
 tokens dropped; ``gpt_dropless``: sorted with room for every pair), and the zoo's ``user_moe``
 (GShard einsums), ``linen_moe`` (every expert runs every token),
-``sorted_moe`` (tokens sorted by expert, ``jax.lax.ragged_dot``) and ``shared_expert_moe``
-(sigmoid scores, a one-hot einsum, a shared expert). 4 experts, 8 under ``expert=8``. Each row
+``sorted_moe`` (every pair of the batch sorted by expert, ``jax.lax.ragged_dot``: run as
+routed pairs where the traced program proves it), ``shared_expert_moe`` (sigmoid scores, a
+one-hot einsum, a shared expert) and ``looped_moe`` (a Python loop over ``w[e]``: re-rolled
+into one stacked mixture). 4 experts, 8 under ``expert=8``. Each row
 is one compiled train step on 8 simulated CPU devices.
 
     python benchmarks/experts.py                         # every style, the four expert layouts and data=8

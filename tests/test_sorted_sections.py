@@ -28,7 +28,7 @@ def params(seed=0):
 EXPERT_DIMS = {2: 0, 3: 0}  # leaves in tree order: bias, router, w_in, w_out
 
 
-def sorted_mixture(top_k=2, keys_of=None, between=None, put_back=None):
+def sorted_mixture(top_k=2, keys_of=None, between=None, put_back=None, read_back=None):
     """MegaBlocks-style experts on ``(B, T, D)`` tokens; the hooks change one step of it."""
 
     def moe(p, x):
@@ -42,8 +42,11 @@ def sorted_mixture(top_k=2, keys_of=None, between=None, put_back=None):
         h = jax.nn.silu(h[:, 0]) * h[:, 1]
         h = h if between is None else between(h)
         out = jax.lax.ragged_dot(h, p["w_out"], sizes)
-        at = order if put_back is None else put_back(order)
-        unsorted = jnp.zeros_like(out).at[at].set(out).reshape(b, t, top_k, d)
+        if read_back is not None:
+            unsorted = read_back(out, order).reshape(b, t, top_k, d)
+        else:
+            at = order if put_back is None else put_back(order)
+            unsorted = jnp.zeros_like(out).at[at].set(out).reshape(b, t, top_k, d)
         return jnp.einsum("btkd,btk->btd", unsorted, gates)
 
     return moe
@@ -123,3 +126,11 @@ def test_a_section_inside_a_rematerialised_layer_is_found_there(mesh):
     # with the section rewritten inside, and the backward pass recomputes the routed pairs.
     moved = check_placed_equals_written(jax.checkpoint(sorted_mixture()), mesh)
     assert [c for c in moved if c.kind == "all-to-all"]
+
+
+def test_a_section_read_back_by_the_inverse_permutation_is_found_too(mesh):
+    # MaxText's unsort: jnp.take(out, jnp.argsort(order), axis=0) rather than a scatter.
+    unsort = lambda out, order: jnp.take(out, jnp.argsort(order), axis=0)
+    (section,) = sections_of(sorted_mixture(read_back=unsort)).values()
+    assert section.k == 2
+    assert [c for c in check_placed_equals_written(sorted_mixture(read_back=unsort), mesh) if c.kind == "all-to-all"]

@@ -110,16 +110,57 @@ def find_sections(jaxpr: Jaxpr, expert_dims: Mapping[JVar, int]) -> dict[JVar, S
       expert_dims: ``{var: dimension}``: the values that are expert weights and their expert dimension.
 
     Returns:
-      ``{scatter output: Section}``; empty where no section is proved.
+      ``{output: Section}`` (the value the section writes back in pair order); empty where no
+      section is proved.
     """
+    outer = {*jaxpr.invars, *jaxpr.constvars, *(v for e in jaxpr.eqns for v in e.outvars)}
+    jaxpr = _helpers_inlined(jaxpr)
     producers = {v: e for e in jaxpr.eqns for v in e.outvars}
     found: dict[JVar, Section] = {}
     for eqn in jaxpr.eqns:
         for keys, order in _argsorts(eqn, producers):
             section = _section(jaxpr, producers, keys, order, expert_dims)
-            if section is not None:
+            # What the placement reads and writes must be values of this level, not of a helper.
+            if section is None:
+                continue
+            reads = [section.out, section.tokens, section.keys, *section.weights, *section.inputs]
+            if all(v in outer for v in reads) and (section.choices is None or section.choices in outer):
                 found[section.out] = section
     return found
+
+
+def _helpers_inlined(jaxpr: Jaxpr) -> Jaxpr:
+    """``jaxpr`` with each call of a helper without matmuls (``jnp.take``, ``jnp.where``,
+    ``argsort``, ``clip``) replaced by its equations, its inputs and outputs renamed to the call's."""
+    eqns: list[JaxprEqn] = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in ("pjit", "jit") or eqn.params["jaxpr"].consts or _has_matmul(_inner(eqn).jaxpr):
+            eqns.append(eqn)
+            continue
+        inner = _helpers_inlined(eqn.params["jaxpr"].jaxpr)
+        rename: dict[Any, Any] = dict(zip(inner.invars, eqn.invars, strict=True))
+        for inner_out, out in zip(inner.outvars, eqn.outvars, strict=True):
+            if isinstance(inner_out, Var) and inner_out not in rename:
+                rename[inner_out] = out
+            else:  # an input or a literal handed straight out: keep the call
+                eqns.append(eqn)
+                break
+        else:
+            eqns += [_renamed(e, rename) for e in inner.eqns]
+    return jaxpr.replace(eqns=eqns)
+
+
+def _renamed(eqn: JaxprEqn, rename: Mapping[Any, Any]) -> JaxprEqn:
+    sub = lambda v: rename.get(v, v) if isinstance(v, Var) else v
+    return eqn.replace(invars=[sub(v) for v in eqn.invars], outvars=[sub(v) for v in eqn.outvars])
+
+
+def _has_matmul(jaxpr: Jaxpr) -> bool:
+    return any(
+        e.primitive.name in ("dot_general", "ragged_dot_general")
+        or (e.primitive.name in _CALLS and _has_matmul(_inner(e).jaxpr))
+        for e in jaxpr.eqns
+    )
 
 
 def run_section(
@@ -359,8 +400,12 @@ def _segment(
     start = next(i for i, e in enumerate(jaxpr.eqns) if rows in e.outvars) + 1
     for eqn in jaxpr.eqns[start:]:
         if any(isinstance(a, Var) and a in row_vars for a in eqn.invars):
+            result = None
             if eqn.primitive.name == "scatter" and _scatters_back(eqn, order, producers, m, row_vars):
                 result = eqn.invars[2]
+            elif eqn.primitive.name == "gather" and _gathers_back(eqn, order, producers, m, row_vars):
+                result = eqn.invars[0]
+            if result is not None:
                 needed = _needed(cone, result)
                 found = _checked(needed, rows, result, eqn.outvars[0], producers, keys, n_experts, expert_dims)
                 # An input computed from the rows themselves keeps the whole-batch program alive.
@@ -386,6 +431,38 @@ def _scatters_back(eqn: JaxprEqn, order: JVar, producers: Mapping[JVar, JaxprEqn
         return False
     at = _evaluated_on_iota(index, order, producers, m)
     return at is not None and np.array_equal(at, np.arange(m))
+
+
+def _gathers_back(eqn: JaxprEqn, order: JVar, producers: Mapping[JVar, JaxprEqn], m: int, row_vars: set[JVar]) -> bool:
+    """``eqn`` reads the rows back in pair order: ``rows[argsort(order)]`` (MaxText's unsort),
+    its index an elementwise function of the inverse permutation that is it on ``iota``."""
+    operand, index = eqn.invars
+    if operand not in row_vars or index in row_vars or not _gathers_rows(eqn):
+        return False
+    for inner in {producers[v] for v in _roots(index, producers)}:
+        for keys, inverse in _argsorts(inner, producers):
+            if keys is order:
+                at = _evaluated_on_iota(index, inverse, producers, m)
+                return at is not None and np.array_equal(at, np.arange(m))
+    return False
+
+
+def _roots(v: Any, producers: Mapping[JVar, JaxprEqn]) -> list[JVar]:
+    """The values ``v`` is computed from through elementwise steps and a final column reshape,
+    the first not so computed (where an argsort would be)."""
+    out, todo, seen = [], [v], set()
+    while todo:
+        u = todo.pop()
+        if isinstance(u, Literal) or u in seen or u not in producers:
+            continue
+        seen.add(u)
+        eqn = producers[u]
+        name = eqn.primitive.name
+        if name in _ELEMENTWISE or name in ("reshape", "broadcast_in_dim") or _elementwise_call(eqn):
+            todo.extend(eqn.invars)
+        else:
+            out.append(u)
+    return out
 
 
 def _needed(cone: list[JaxprEqn], result: JVar) -> list[JaxprEqn]:
