@@ -134,3 +134,10 @@ def test_a_section_read_back_by_the_inverse_permutation_is_found_too(mesh):
     (section,) = sections_of(sorted_mixture(read_back=unsort)).values()
     assert section.k == 2
     assert [c for c in check_placed_equals_written(sorted_mixture(read_back=unsort), mesh) if c.kind == "all-to-all"]
+
+
+def test_each_layers_section_is_found_though_jax_traces_their_helpers_once():
+    # Two layers call jnp.argsort, floor_divide, clip alike: JAX hands both the same traced
+    # helper, whose values must not be confused between the layers.
+    moe = sorted_mixture()
+    assert len(sections_of(lambda p, x: moe(p, moe(p, x)))) == 2

@@ -138,9 +138,11 @@ def _helpers_inlined(jaxpr: Jaxpr) -> Jaxpr:
             eqns.append(eqn)
             continue
         inner = _helpers_inlined(eqn.params["jaxpr"].jaxpr)
-        rename: dict[Any, Any] = dict(zip(inner.invars, eqn.invars, strict=True))
+        # JAX reuses one traced helper for every call alike: each call's values get fresh names.
+        rename: dict[Any, Any] = {v: Var(v.aval) for e in inner.eqns for v in e.outvars}
+        rename |= dict(zip(inner.invars, eqn.invars, strict=True))
         for inner_out, out in zip(inner.outvars, eqn.outvars, strict=True):
-            if isinstance(inner_out, Var) and inner_out not in rename:
+            if isinstance(inner_out, Var) and inner_out not in inner.invars:
                 rename[inner_out] = out
             else:  # an input or a literal handed straight out: keep the call
                 eqns.append(eqn)
