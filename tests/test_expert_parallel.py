@@ -170,6 +170,17 @@ def test_a_users_mixture_under_an_expert_layout_trains_as_one_device(name):
     np.testing.assert_allclose(losses, one_device(name), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("name", ["sorted_moe", "looped_moe"])
+def test_a_rewritten_mixture_under_tensor_and_expert_axes_trains_as_one_device(name):
+    # The sorted section's pairs split over tensor too; the re-rolled loop's hidden units over tensor.
+    t = quiet_trainer(name, "tensor=2,expert=4")
+    state, losses = t.init(seed=0), []
+    for batch in batches(name):
+        state, metrics = t.step(state, t.shard_batch(batch))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, one_device(name), rtol=2e-5, atol=2e-5)
+
+
 def test_a_users_global_sort_and_ragged_dot_moves_routed_rows_to_their_experts():
     # The zoo's argsort, gather, ragged_dot and scatter over the whole batch run as each device's
     # own pairs: per layer one all-to-all of (4 devices, C, 64) rows and one of the experts'

@@ -174,9 +174,13 @@ def run_section(
     n_tokens, feature_shape = x.shape[0], x.shape[1:]
     shape = dict(mesh.shape)
     n = shape.get(axis, 1)
+    if any(t == jax.sharding.AxisType.Manual for t in jax.sharding.get_abstract_mesh().axis_types):
+        return None  # inside another island (a pipeline's stages): as traced
     count = n_tokens if section.choices is not None else len(section.source)
+    # The pairs are independent: every device takes its own, over the tokens' axes first and
+    # then the others but a pipeline's (tensor=2,expert=4 on the zoo's: 1.44x -> 1.22x the bound).
     rows_over: list[str] = []
-    for a in token_axes:
+    for a in [*token_axes, *(a for a in mesh.axis_names if a not in token_axes and a != "stage")]:
         if shape.get(a, 1) > 1 and count % (math.prod(shape[b] for b in rows_over) * shape[a]) == 0:
             rows_over.append(a)
     if n == 1 or axis not in rows_over or section.n_experts % n:
