@@ -17,7 +17,7 @@ from test_zoo import STEPS, abstract_batch, batches, one_device, quiet_trainer, 
 from zoo import DIM, ZOO, LlamaStyleLM
 
 import shardkit as sk
-from shardkit.analysis import mixtures
+from shardkit.analysis import hlo, mixtures
 from shardkit.analysis.estimate import ModelSizes, analytic
 from shardkit.analysis.hardware import PROFILES
 from shardkit.analysis.report import lower_bound
@@ -170,9 +170,34 @@ def test_a_users_mixture_under_an_expert_layout_trains_as_one_device(name):
     np.testing.assert_allclose(losses, one_device(name), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["sorted_moe", "looped_moe"])
-def test_a_rewritten_mixture_under_tensor_and_expert_axes_trains_as_one_device(name):
-    # The sorted section's pairs split over tensor too; the re-rolled loop's hidden units over tensor.
+@pytest.mark.parametrize("name", ["user_moe", "linen_moe", "looped_moe"])
+def test_a_users_mixture_under_tensor_and_expert_axes_moves_its_bound(name):
+    # The experts' hidden units split over tensor reduce their partial sums at the routed
+    # buffers' size (k x capacity x the tokens'); here the experts' rows are split over tensor
+    # instead and their weights gathered, fewer bytes for the zoo's small experts.
+    r = report(name, "tensor=2,expert=4")
+    assert r.ratios["bytes"] <= 1.10, r.table()
+
+
+@pytest.mark.parametrize("tokens, gathered", [(64, True), (2, False)], ids=["many tokens", "few tokens"])
+def test_the_experts_rows_split_over_tensor_only_where_that_moves_fewer_bytes(tokens, gathered):
+    # A routed einsum (E, B, C, D) x (E, D, F) on tensor=2, expert=4. Gathering an expert group's
+    # weights over tensor (3 x 64 x 512 x 4 bytes moved, about) against reducing the routed
+    # buffers' partial sums (2 x their bytes a matmul): the placement takes the cheaper.
+    mesh = jax.make_mesh((2, 4), ("tensor", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    w = jax.device_put(jnp.ones((4, 64, 512)), jax.NamedSharding(mesh, jax.P("expert", None, "tensor")))
+    x = jax.device_put(jnp.ones((4, 8, tokens, 64)), jax.NamedSharding(mesh, jax.P("expert")))
+    experts = lambda params, x: jnp.tanh(jnp.einsum("ebcd,edf->ebcf", x, params["w"])).sum()
+    placed = place_experts(experts, {0: 0}, mesh, token_axes=("expert",))
+    program = jax.jit(jax.grad(placed)).lower({"w": w}, x).compile().as_text()
+    weight_gathers = [c for c in hlo.collectives(program) if c.kind == "all-gather" and c.payload_bytes >= 64 * 512 * 4]
+    assert bool(weight_gathers) == gathered, hlo.collectives(program)
+
+
+@pytest.mark.parametrize("name", [*MOE_ZOO, "sorted_moe", "looped_moe"])
+def test_a_users_mixture_under_tensor_and_expert_axes_trains_as_one_device(name):
+    # The experts' rows split over tensor where that moves fewer bytes than their hidden units;
+    # the sorted section's pairs split over tensor too.
     t = quiet_trainer(name, "tensor=2,expert=4")
     state, losses = t.init(seed=0), []
     for batch in batches(name):

@@ -93,6 +93,12 @@ def test_hybrid_layout_has_all_three_patterns():
             "%a = f32[4]{0} all-gather(%x), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}",
             ((0, 4), (1, 5), (2, 6), (3, 7)),
         ),
+        (
+            # A sub-axis: the minor 2 of axis_2's 4 (ids [0,1,4,5 | 2,3,6,7] over axis_0, then axis_2).
+            "%a = f32[4]{0} all-to-all(%x), replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4,'axis_3'=1], "
+            "device_ids=([2,2,2]T(1,0,2)) {'axis_2':(2)2}, dimensions={0}",
+            ((0, 1), (4, 5), (2, 3), (6, 7)),
+        ),
     ],
 )
 def test_replica_group_spellings(line, groups):

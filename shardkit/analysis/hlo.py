@@ -60,6 +60,7 @@ _IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d
 _MESH_GROUPS = re.compile(
     r"replica_groups=mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*\{(?P<over>[^}]*)\}"
 )
+_SUB_AXIS = re.compile(r"'?(?P<name>[^':]+)'?(?::\((?P<pre>\d+)\)(?P<size>\d+))?$")
 _PAIRS = re.compile(r"source_target_pairs=\{(?P<pairs>(?:\{\d+,\d+\},?)*)\}")
 
 
@@ -132,10 +133,31 @@ def _groups(line: str, kind: str) -> tuple[tuple[int, ...], ...]:
             ids = _iota([math.prod(sizes)], _ints(im["shape"]), _ints(im["perm"]) if im["perm"] else None)
         else:
             ids = np.arange(math.prod(sizes))
-        ids = ids.reshape(sizes)
-        over = [names.index(a.strip().strip("'")) for a in m["over"].split(",") if a.strip()]
-        rest = [i for i in range(len(sizes)) if i not in over]
-        grouped = ids.transpose(rest + over).reshape(-1, math.prod(sizes[i] for i in over) if over else 1)
+        # Each group varies the named axes, or a sub-axis: 'x':(p)s is the size-s factor of x
+        # after its first p (x = p x s x the rest, major to minor).
+        refs = []
+        for entry in (a.strip() for a in m["over"].split(",") if a.strip()):
+            ref = _SUB_AXIS.match(entry)
+            if ref is None or ref["name"] not in names:
+                raise HloFormatError(f"Cannot read a Shardy replica group's axis: {entry!r}")
+            refs.append((names.index(ref["name"]), int(ref["pre"]) if ref["pre"] else None, ref["size"]))
+        factors: list[int] = []
+        position: dict[tuple[int, int | None], int] = {}
+        for i, size in enumerate(sizes):
+            subs = [(pre, int(sub)) for j, pre, sub in refs if j == i and pre is not None]
+            if len(subs) > 1:
+                raise HloFormatError(f"Cannot read a replica group over two parts of one axis: {m['over']!r}")
+            if subs:
+                ((pre, sub),) = subs
+                position[(i, pre)] = len(factors) + 1
+                factors += [pre, sub, size // (pre * sub)]
+            else:
+                position[(i, None)] = len(factors)
+                factors.append(size)
+        ids = ids.reshape(factors)
+        over = [position[(i, pre)] for i, pre, _ in refs]
+        rest = [k for k in range(len(factors)) if k not in over]
+        grouped = ids.transpose(rest + over).reshape(-1, math.prod(factors[k] for k in over) if over else 1)
         return tuple(tuple(int(x) for x in g) for g in grouped)
     if m := _IOTA_GROUPS.search(line):
         return tuple(
