@@ -4,13 +4,10 @@ and only where every copy is the same computation on its own expert."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
+from placement_checks import placed_as_written
 
-from shardkit.analysis import hlo
 from shardkit.parallel.expert_loops import find_loops
-from shardkit.parallel.expert_placement import place_experts
 
 E, D, F = 4, 8, 64
 EXPERT_DIMS = {2: 0, 3: 0}  # leaves in tree order: router, shared, w_in, w_out
@@ -56,20 +53,7 @@ def mesh():
 
 
 def placed_collectives(moe, mesh):
-    placed = place_experts(moe, EXPERT_DIMS, mesh, token_axes=("data", "expert"))
-    p, x = params(), tokens()
-    with jax.default_device(jax.devices()[0]):  # the reference: one device, the loop as written
-        expected = moe(p, x)
-        expected_grads = jax.grad(lambda p, x: moe(p, x).sum(), argnums=(0, 1))(p, x)
-    # The experts' weights split over expert, the tokens' rows over every axis, as a step holds them.
-    split = lambda name: NamedSharding(mesh, PartitionSpec("expert") if name.startswith("w_") else PartitionSpec())
-    p = {name: jax.device_put(value, split(name)) for name, value in p.items()}
-    x = jax.device_put(x, NamedSharding(mesh, PartitionSpec(("data", "expert"))))
-    np.testing.assert_allclose(jax.jit(placed)(p, x), expected, rtol=1e-5, atol=1e-5)
-    grads = jax.jit(jax.grad(lambda p, x: placed(p, x).sum(), argnums=(0, 1)))(p, x)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads, expected_grads)
-    program = jax.jit(jax.grad(lambda p, x: placed(p, x).sum(), argnums=(0, 1))).lower(p, x).compile()
-    return hlo.collectives(program.as_text())
+    return placed_as_written(moe, params(), tokens(), EXPERT_DIMS, mesh, atol=1e-5)
 
 
 @pytest.mark.parametrize("init", [False, True], ids=["from zeros", "onto a shared expert"])
