@@ -18,9 +18,17 @@ and of its output to the ``expert`` axis, every other dimension left to the part
   does, where XLA would reduce a grouped matmul's or a dense mixture's output over that axis;
 - ``jax.lax.top_k`` (XLA's TopK custom call, which the partitioner runs on whole rows) is
   computed by a stable sort that stays split by rows (:func:`top_k_by_rows`): the same values
-  and indices.
+  and indices;
+- under ``tensor``, an expert matmul's rows are split over ``tensor`` and its weight gathered
+  there, where that moves fewer bytes (from the traced sizes) than reducing the routed buffers
+  over ``tensor`` as splitting the experts' hidden units does.
 
-Only shardings change: the values are the traced program's, and its remat and scan structure is
+Two styles no constraint can place are rewritten, where the traced program proves the rewrite
+computes the same values: a sort of the whole batch's pairs with grouped matmuls runs as routed
+pairs (:mod:`shardkit.parallel.sorted_sections`), and a Python loop over the experts as one
+stacked mixture (:mod:`shardkit.parallel.expert_loops`).
+
+Otherwise only shardings change: the values are the traced program's, and its remat and scan structure is
 kept (inner programs are re-traced with the constraints inside). A program without expert
 matmuls runs as traced.
 
@@ -281,8 +289,9 @@ class _Placement:
             return None
         n = dict(self.mesh.shape).get(self.axis, 1)
         weight_bytes = args[weight].size * args[weight].dtype.itemsize / n  # an expert group's
-        rows = math.prod(dict(self.mesh.shape)[a] for a in self.token_axes if a in self.mesh.shape)
-        routed_bytes = max(tokens.size * tokens.dtype.itemsize, math.prod(out.shape) * out.dtype.itemsize) / rows
+        row_devices = math.prod(dict(self.mesh.shape)[a] for a in self.token_axes if a in self.mesh.shape)
+        routed_bytes = max(tokens.size * tokens.dtype.itemsize, math.prod(out.shape) * out.dtype.itemsize)
+        routed_bytes /= row_devices
         if 3 * weight_bytes >= 2 * routed_bytes:
             return None
         k = max(splittable, key=lambda k: tokens.shape[k])
