@@ -145,6 +145,11 @@ def test_unrecognised_text_is_an_error_not_zero():
         hlo.dot_flops(text.replace("lhs_contracting_dims", "lhs_contraction"))
     with pytest.raises(hlo.HloFormatError, match="no trip count"):
         hlo.dot_flops(text.replace("known_trip_count", "trip"))
+    mesh = "replica_groups=mesh['axis_0'=2,'axis_1'=4]"
+    with pytest.raises(hlo.HloFormatError, match="replica group's axis: \"'axis_9'\""):
+        hlo.collectives(f"%a = f32[4]{{0}} all-gather(%x), {mesh} {{'axis_9'}}, dimensions={{0}}")
+    with pytest.raises(hlo.HloFormatError, match="two parts of one axis"):
+        hlo.collectives(f"%a = f32[4]{{0}} all-gather(%x), {mesh} {{'axis_1':(1)2,'axis_1':(2)2}}, dimensions={{0}}")
 
 
 def test_the_program_is_parsed_once_into_typed_instructions():
