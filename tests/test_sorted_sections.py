@@ -4,9 +4,11 @@ on one device, and only where every step of the proof holds."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from placement_checks import placed_as_written
 
+from shardkit.parallel.expert_placement import place_experts
 from shardkit.parallel.sorted_sections import find_sections
 
 E, D, F = 4, 8, 16
@@ -125,3 +127,21 @@ def test_each_layers_section_is_found_though_jax_traces_their_helpers_once():
     # helper, whose values must not be confused between the layers.
     moe = sorted_mixture()
     assert len(sections_of(lambda p, x: moe(p, moe(p, x)))) == 2
+
+
+def test_a_section_in_a_scanned_stack_of_layers_is_found_in_the_scan_body(mesh):
+    # Layers stacked (L, E, ...) and scanned: the body reads each layer's experts without the
+    # leading dimension, and the placement re-traces it with the section rewritten inside.
+    moe = sorted_mixture()
+
+    def stacked(p, x):
+        layers = {k: v for k, v in p.items() if k != "router"}
+        return jax.lax.scan(lambda h, w: (moe({**w, "router": p["router"]}, h), None), x, layers)[0]
+
+    two = {k: (jnp.stack([v, v * 0.5]) if k != "router" else v) for k, v in params().items()}
+    placed = place_experts(stacked, {2: 1, 3: 1}, mesh, token_axes=("data", "expert"))  # bias, router, w_in, w_out
+    x = tokens()
+    with jax.default_device(jax.devices()[0]):
+        expected = stacked(two, x)
+    np.testing.assert_allclose(jax.jit(placed)(two, x), expected, rtol=1e-5, atol=1e-5)
+    assert "all-to-all" in jax.jit(placed).lower(two, x).compile().as_text()
