@@ -23,7 +23,7 @@ import contextlib
 import contextvars
 import dataclasses
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -394,6 +394,13 @@ def varying_axes(x: jax.Array) -> frozenset[str]:
     outside one)."""
     manual = getattr(jax.typeof(x), "manual_axis_type", None)
     return frozenset(getattr(manual, "varying", ()))
+
+
+def varying_over(x: jax.Array, axes: Iterable[str]) -> jax.Array:
+    """``x`` typed as differing over the manual mesh ``axes`` too, inside a ``shard_map`` (its
+    gradient is then summed over those it did not differ over, where it is read)."""
+    missing = tuple(sorted(set(axes) - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def without_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:

@@ -118,13 +118,14 @@ class _Placement:
 
     def __init__(self, mesh: Mesh, axis: str, token_axes: tuple[str, ...]):
         self.mesh, self.axis, self.token_axes, self.placed = mesh, axis, token_axes, 0
+        # Of the program being evaluated: the routed experts' outputs (their expert dimension),
+        # and the expert weights as a grouped matmul reads them (through casts) with that split.
+        self.routed: dict[Any, int] = {}
+        self.grouped: dict[Any, PartitionSpec] = {}
 
     def constrain(self, x: jax.Array, dim: int, axis: str | None = "") -> jax.Array:
         """``x`` with dimension ``dim`` split over the experts' axis (or over ``axis``; None: whole)."""
-        spec: list[Any] = [PartitionSpec.UNCONSTRAINED] * x.ndim
-        spec[dim] = self.axis if axis == "" else axis
-        self.placed += 1
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
+        return self._split(x, {dim: self.axis if axis == "" else axis})
 
     def evaluate(
         self,
@@ -134,12 +135,20 @@ class _Placement:
         dims: Sequence[int | None],
         specs: Sequence[PartitionSpec | None],
     ) -> list:
-        env: dict[Any, Any] = {}
-        # Expert dimensions: of views of expert weights, and of the routed experts' outputs.
-        where: dict[Any, int] = {}
-        self.routed: dict[Any, int] = {}
-        # Expert weights as a grouped matmul reads them (through casts), and that split.
+        """``jaxpr`` evaluated with the constraints placed; an inner program's evaluation leaves
+        the outer one's state as it found it."""
+        outer = self.routed, self.grouped
+        self.routed = {}
         self.grouped = {v: spec for v, spec in zip(jaxpr.invars, specs, strict=True) if spec is not None}
+        try:
+            return self._evaluate(jaxpr, consts, args, dims)
+        finally:
+            self.routed, self.grouped = outer
+
+    def _evaluate(self, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], dims: Sequence[int | None]) -> list:
+        env: dict[Any, Any] = {}
+        # Expert dimensions of views of expert weights.
+        where: dict[Any, int] = {}
         read = lambda v: v.val if isinstance(v, Literal) else env[v]
         for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), [*consts, *args], strict=True):
             env[v] = x
@@ -186,9 +195,7 @@ class _Placement:
         inputs = [*loop.stacked, *loop.shared]
         dims = [0 if axis == 0 and loop.stacked[v][0] in views else None for v, axis in zip(inputs, axes, strict=True)]
         specs = [self._stacked_spec(loop.stacked[v]) if d is not None else None for v, d in zip(inputs, dims)]
-        outer = self.routed, self.grouped
         (terms,) = self.evaluate(closed.jaxpr, closed.consts, args, dims, specs)
-        self.routed, self.grouped = outer
         total = terms.sum(0)
         return total if loop.init is None else read(loop.init) + total
 
@@ -310,7 +317,7 @@ class _Placement:
         out = eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(eqn.params))
         return self._split(out, {out_dim: self.axis, rows[1]: "tensor"})
 
-    def _split(self, x: jax.Array, axes: dict[int, str], whole: bool = False) -> jax.Array:
+    def _split(self, x: jax.Array, axes: Mapping[int, str | None], whole: bool = False) -> jax.Array:
         """``x`` constrained with dimension ``k`` over ``axes[k]``, the others whole or left alone."""
         rest = None if whole else PartitionSpec.UNCONSTRAINED
         spec = [axes.get(k, rest) for k in range(x.ndim)]
@@ -322,11 +329,10 @@ class _Placement:
     ) -> dict[str, Any] | None:
         """The equation's parameters with its inner program re-traced with constraints inside,
         or None where it places none."""
-        before, routed, grouped = self.placed, self.routed, self.grouped
+        before = self.placed
         rewritten = retraced_params(
             eqn, params, lambda jaxpr, consts, xs: self.evaluate(jaxpr, consts, xs, dims, specs)
         )
-        self.routed, self.grouped = routed, grouped
         return None if self.placed == before else rewritten
 
 

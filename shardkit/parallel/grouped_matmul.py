@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
-from shardkit.core.partition import varying_axes
+from shardkit.core.partition import varying_axes, varying_over
 
 # Groups up to which JAX's dense expansion (G x the output) is used: one, a plain matmul. At four
 # it held 2.8x the blocks' temporaries (DeepSeek-V3 under expert=64, 4 experts a device: 584 GB
@@ -123,8 +123,7 @@ _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 def _varying_like(init: jax.Array, *others: jax.Array) -> jax.Array:
     """``init`` typed as differing between devices wherever ``others`` are (inside a
     ``shard_map``, a scan's carry must keep one type, and the blocks' sums vary as the rows do)."""
-    axes = frozenset().union(*(varying_axes(x) for x in others))
-    return jax.lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
+    return varying_over(init, frozenset().union(*(varying_axes(x) for x in others)))
 
 
 @dataclasses.dataclass(frozen=True)

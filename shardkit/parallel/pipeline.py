@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit.core.errors import PipelineError
-from shardkit.core.partition import axes_taken, varying_axes
+from shardkit.core.partition import axes_taken, varying_over
 from shardkit.parallel.schedule import Phase, Schedule
 
 # (layer_params, shared_params, x_in, microbatch, virtual stage, index) -> (x_out, loss, count)
@@ -171,8 +171,7 @@ def pipeline_value_and_grad(
                 # total count the blocks' means weighted by what each scored.
                 weight = 1.0 / (m * n) if total is None else count.astype(jnp.float32) / total
                 seed = jnp.asarray(weight, loss.dtype)
-                if axis not in varying_axes(seed):  # a count read from the stage's rows already varies
-                    seed = jax.lax.pcast(seed, (axis,), to="varying")
+                seed = varying_over(seed, (axis,))  # a count read from the stage's rows already varies
                 if total is not None:
                     loss = loss.astype(jnp.float32) * weight
                 return (*vjp((dx_out, seed)), loss, count)

@@ -54,7 +54,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 from jax.sharding import Mesh, PartitionSpec
 
-from shardkit.core.partition import varying_axes
+from shardkit.core.partition import varying_axes, varying_over
 from shardkit.parallel.embedding_gradients import var_dtype, var_shape
 from shardkit.parallel.grouped_matmul import grouped_matmul
 from shardkit.parallel.sorted_experts import _Split, by_expert, routed_pairs, slots_per_destination
@@ -113,19 +113,21 @@ def find_sections(jaxpr: Jaxpr, expert_dims: Mapping[JVar, int]) -> dict[JVar, S
       ``{output: Section}`` (the value the section writes back in pair order); empty where no
       section is proved.
     """
+    if not any(e.primitive.name == "ragged_dot_general" for e in jaxpr.eqns):
+        return {}  # no grouped matmul at this level: nothing to prove
     outer = {*jaxpr.invars, *jaxpr.constvars, *(v for e in jaxpr.eqns for v in e.outvars)}
     jaxpr = _helpers_inlined(jaxpr)
     producers = {v: e for e in jaxpr.eqns for v in e.outvars}
     found: dict[JVar, Section] = {}
     for eqn in jaxpr.eqns:
-        for keys, order in _argsorts(eqn, producers):
-            section = _section(jaxpr, producers, keys, order, expert_dims)
-            # What the placement reads and writes must be values of this level, not of a helper.
-            if section is None:
-                continue
-            reads = [section.out, section.tokens, section.keys, *section.weights, *section.inputs]
-            if all(v in outer for v in reads) and (section.choices is None or section.choices in outer):
-                found[section.out] = section
+        argsort = _argsort(eqn, producers)
+        section = None if argsort is None else _section(jaxpr, producers, *argsort, expert_dims)
+        if section is None:
+            continue
+        # What the placement reads and writes must be values of this level, not of a helper.
+        reads = [section.out, section.tokens, section.keys, *section.weights, *section.inputs]
+        if all(v in outer for v in reads) and (section.choices is None or section.choices in outer):
+            found[section.out] = section
     return found
 
 
@@ -170,7 +172,7 @@ def run_section(
 ) -> jax.Array | None:
     """The section's output computed by routed pairs (see the module's docstring), or None where
     the mesh cannot split it (the tokens' rows not divisible over ``axis``, or the experts)."""
-    x, keys = read(section.tokens), read(section.keys)
+    x = read(section.tokens)
     n_tokens, feature_shape = x.shape[0], x.shape[1:]
     shape = dict(mesh.shape)
     n = shape.get(axis, 1)
@@ -188,7 +190,7 @@ def run_section(
     if section.choices is not None:
         tokens, experts = x, read(section.choices).reshape(n_tokens, section.k)
     else:
-        tokens, experts = x[section.source], keys.reshape(-1, 1)
+        tokens, experts = x[section.source], read(section.keys).reshape(-1, 1)
     tokens = tokens.reshape(tokens.shape[0], -1)
     per_device = tokens.shape[0] // math.prod(shape[a] for a in rows_over)
     split = _Split(mesh, PartitionSpec(tuple(rows_over)), tuple(rows_over), n, None, axis)
@@ -200,8 +202,8 @@ def run_section(
     def body(tokens: jax.Array, experts: jax.Array, weights: list[jax.Array], inputs: list[jax.Array]) -> jax.Array:
         # Every operand differs over the rows' axes, once here, so each weight's gradient is
         # reduced over them once, at the section's end.
-        weights = [_varying(w, rows_over) for w in weights]
-        inputs = [_varying(v, rows_over) for v in inputs]
+        weights = [varying_over(w, rows_over) for w in weights]
+        inputs = [varying_over(v, rows_over) for v in inputs]
 
         def experts_here(grouped: jax.Array, sizes: jax.Array, which: jax.Array) -> jax.Array:
             env: dict[JVar, Any] = dict(zip(weight_vars, weights, strict=True))
@@ -231,31 +233,15 @@ def _expert_spec(ndim: int, dim: int, axis: str) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
-def _varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 # -- finding a section -------------------------------------------------------------------------
 
 
-def _argsorts(eqn: JaxprEqn, producers: Mapping[JVar, JaxprEqn]) -> list[tuple[JVar, JVar]]:
-    """``(keys, order)`` for each argsort ``eqn`` computes: a sort of 1-D keys with an iota, or a
-    call whose program returns one (``jnp.argsort``)."""
-    if eqn.primitive.name == "sort":
-        return [(eqn.invars[0], eqn.outvars[1])] if _sorts_with_iota(eqn, producers) else []
-    if eqn.primitive.name not in ("pjit", "jit"):
-        return []
-    inner = eqn.params["jaxpr"].jaxpr
-    inner_producers = {v: e for e in inner.eqns for v in e.outvars}
-    found = []
-    for j, out in enumerate(inner.outvars):
-        sort = inner_producers.get(out) if isinstance(out, Var) else None
-        if sort is None or not _sorts_with_iota(sort, inner_producers) or out is not sort.outvars[1]:
-            continue
-        if sort.invars[0] in inner.invars:
-            found.append((eqn.invars[inner.invars.index(sort.invars[0])], eqn.outvars[j]))
-    return [(k, o) for k, o in found if isinstance(k, Var)]
+def _argsort(eqn: JaxprEqn, producers: Mapping[JVar, JaxprEqn]) -> tuple[JVar, JVar] | None:
+    """``(keys, order)`` where ``eqn`` is an argsort: a sort of 1-D keys with an iota
+    (``jnp.argsort``'s helper is inlined before this is asked)."""
+    if eqn.primitive.name == "sort" and _sorts_with_iota(eqn, producers) and isinstance(eqn.invars[0], Var):
+        return eqn.invars[0], eqn.outvars[1]
+    return None
 
 
 def _sorts_with_iota(eqn: JaxprEqn, producers: Mapping[JVar, JaxprEqn]) -> bool:
@@ -445,11 +431,11 @@ def _gathers_back(eqn: JaxprEqn, order: JVar, producers: Mapping[JVar, JaxprEqn]
     operand, index = eqn.invars
     if operand not in row_vars or index in row_vars or not _gathers_rows(eqn):
         return False
-    for inner in {producers[v] for v in _roots(index, producers)}:
-        for keys, inverse in _argsorts(inner, producers):
-            if keys is order:
-                at = _evaluated_on_iota(index, inverse, producers, m)
-                return at is not None and np.array_equal(at, np.arange(m))
+    for root in _roots(index, producers):
+        argsort = _argsort(producers[root], producers)
+        if argsort is not None and argsort[0] is order:
+            at = _evaluated_on_iota(index, argsort[1], producers, m)
+            return at is not None and np.array_equal(at, np.arange(m))
     return False
 
 
@@ -702,4 +688,4 @@ def _matched(args: list[Any]) -> list[Any]:
     """``args`` made to differ over the same manual mesh axes (JAX's operations do this as they
     trace; a primitive bound directly does not)."""
     axes = frozenset().union(*(varying_axes(a) for a in args))
-    return [_varying(a, tuple(sorted(axes))) for a in args]
+    return [varying_over(a, axes) for a in args]
