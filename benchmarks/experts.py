@@ -9,9 +9,10 @@ tokens dropped; ``gpt_dropless``: sorted with room for every pair), and the zoo'
 (GShard einsums), ``linen_moe`` (every expert runs every token),
 ``sorted_moe`` (every pair of the batch sorted by expert, ``jax.lax.ragged_dot``: run as
 routed pairs where the traced program proves it), ``shared_expert_moe`` (sigmoid scores, a
-one-hot einsum, a shared expert) and ``looped_moe`` (a Python loop over ``w[e]``: re-rolled
-into one stacked mixture). 4 experts, 8 under ``expert=8``. Each row
-is one compiled train step on 8 simulated CPU devices.
+one-hot einsum, a shared expert), ``looped_moe`` (a Python loop over ``w[e]``: re-rolled
+into one stacked mixture), ``rolled_moe`` (the loop as ``jax.lax.fori_loop``) and
+``linen_scanned_moe`` (Linen, a ``jax.lax.scan`` over the experts): both re-rolled likewise.
+4 experts, 8 under ``expert=8``. Each row is one compiled train step on 8 simulated CPU devices.
 
     python benchmarks/experts.py                         # every style, the four expert layouts and data=8
     python benchmarks/experts.py --model user_moe --layout data=2,expert=4
@@ -38,16 +39,21 @@ import optax
 from byo_models import LinenLM
 from zoo import (
     LINEN_MOE_CONFIG,
+    LINEN_SCANNED_MOE_CONFIG,
     ZOO,
     LlamaStyleLM,
     LoopedExperts,
+    RolledLoopExperts,
     SharedAndRoutedExperts,
     SortedExperts,
     Top2Experts,
 )
 
 LAYOUTS = ("data=2,expert=4", "expert=8", "tensor=2,expert=4", "data=2,fsdp=2,expert=2", "data=8")
-MODELS = ("gpt", "gpt_einsum", "gpt_dropless", "user_moe", "linen_moe", "sorted_moe", "shared_expert_moe", "looped_moe")
+MODELS = (
+    "gpt", "gpt_einsum", "gpt_dropless", "user_moe", "linen_moe", "sorted_moe", "shared_expert_moe", "looped_moe",
+    "rolled_moe", "linen_scanned_moe",
+)  # fmt: skip
 
 
 def model(name: str, experts: int) -> tuple[sk.Model, object, dict]:
@@ -57,14 +63,16 @@ def model(name: str, experts: int) -> tuple[sk.Model, object, dict]:
         cfg = sk.models.GPTConfig.preset("tiny-moe", n_experts=experts, **dispatch)
         return cfg.model(), sk.next_token_loss, {"tokens": jax.ShapeDtypeStruct((16, 129), jnp.int32)}
     batch = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in ZOO[name].batch(0).items()}
-    if name == "linen_moe":
-        linen = LinenLM(dataclasses.replace(LINEN_MOE_CONFIG, experts=experts))
+    if name in ("linen_moe", "linen_scanned_moe"):
+        config = LINEN_MOE_CONFIG if name == "linen_moe" else LINEN_SCANNED_MOE_CONFIG
+        linen = LinenLM(dataclasses.replace(config, experts=experts))
         return sk.from_linen(linen, jnp.zeros((2, 32), jnp.int32)), ZOO[name].loss, batch
     layer = {
         "user_moe": Top2Experts,
         "sorted_moe": SortedExperts,
         "shared_expert_moe": SharedAndRoutedExperts,
         "looped_moe": LoopedExperts,
+        "rolled_moe": RolledLoopExperts,
     }[name]
     make = lambda rngs: LlamaStyleLM(rngs, mlp=lambda r: layer(r, experts=experts))
     return sk.from_nnx(make), ZOO[name].loss, batch

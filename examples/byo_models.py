@@ -32,6 +32,7 @@ class LMConfig:
     # FSDP that is the gathered weights, gathered again in the backward pass as ZeRO-3 does.
     remat_policy: Any = None
     experts: int = 0  # > 0: each block's MLP is a top-2 mixture of this many experts (Linen)
+    experts_scanned: bool = False  # the mixture as a jax.lax.scan over the experts, not einsums
 
 
 def causal_attention(q, k, v):
@@ -254,6 +255,9 @@ class LinenTopTwoExperts(nn.Module):
         shape_in, shape_out = (cfg.experts, cfg.dim, cfg.mlp), (cfg.experts, cfg.mlp, cfg.dim)
         w_in = self.param("w_in", nn.with_logical_partitioning(init, ("expert", "embed", "mlp")), shape_in)
         w_out = self.param("w_out", nn.with_logical_partitioning(init, ("expert", "mlp", "embed")), shape_out)
+        if cfg.experts_scanned:  # one expert a step: its weights and its gates' column scanned over
+            step = lambda out, w: (out + (nn.silu(x @ w[0]) @ w[1]) * w[2][..., None], None)
+            return jax.lax.scan(step, jnp.zeros_like(x), (w_in, w_out, jnp.moveaxis(gates, -1, 0)))[0]
         h = nn.silu(jnp.einsum("btd,edf->btef", x, w_in))  # (B, T, E, F)
         return jnp.einsum("bted,bte->btd", jnp.einsum("btef,efd->bted", h, w_out), gates)
 

@@ -19,6 +19,10 @@
   einsum, and a shared expert every token passes through (``SharedAndRoutedExperts``);
 - ``looped_moe``: NNX, top-2 experts in a Python loop over the stacked expert weights, every
   expert on every token, gates zero where not chosen (``LoopedExperts``);
+- ``rolled_moe``: NNX, the same loop as ``jax.lax.fori_loop``, ``w[e]`` read at the loop's
+  counter (``RolledLoopExperts``);
+- ``linen_scanned_moe``: Linen, ``linen_moe``'s experts as a ``jax.lax.scan`` over the stacked
+  expert weights and the gates' columns (``byo_models.LinenTopTwoExperts``, ``experts_scanned``);
 - ``cnn_batchnorm``: NNX, residual convolutions with ``nnx.BatchNorm``.
 
 Nothing here imports shardkit. Each :class:`ZooEntry` gives the module's constructor, a batch
@@ -331,6 +335,27 @@ def looped_moe_lm(rngs: nnx.Rngs) -> LlamaStyleLM:
     return LlamaStyleLM(rngs, mlp=LoopedExperts)
 
 
+class RolledLoopExperts(StackedExperts):
+    """The loop above written to compile once, not once per expert: ``jax.lax.fori_loop`` over
+    the experts, each step reading its expert's weights ``w[e]`` at the loop's counter."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        top, index = jax.lax.top_k(jax.nn.softmax(self.router(x), axis=-1), self.top_k)  # (B, T, k)
+        gates = (
+            jax.nn.one_hot(index, self.experts, dtype=x.dtype) * (top / top.sum(-1, keepdims=True))[..., None]
+        ).sum(2)
+        w_in, w_out = self.w_in[...], self.w_out[...]
+
+        def expert(e: jax.Array, out: jax.Array) -> jax.Array:
+            return out + (jax.nn.gelu(x @ w_in[e]) @ w_out[e]) * gates[..., e][..., None]
+
+        return jax.lax.fori_loop(0, self.experts, expert, jnp.zeros_like(x))
+
+
+def rolled_moe_lm(rngs: nnx.Rngs) -> LlamaStyleLM:
+    return LlamaStyleLM(rngs, mlp=RolledLoopExperts)
+
+
 # -- Encoder-decoder ---------------------------------------------------------------------------
 
 
@@ -494,6 +519,7 @@ class ZooEntry:
 
 LINEN_CONFIG = LMConfig(dim=DIM, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, mlp=MLP, layers=LAYERS)
 LINEN_MOE_CONFIG = dataclasses.replace(LINEN_CONFIG, experts=4)
+LINEN_SCANNED_MOE_CONFIG = dataclasses.replace(LINEN_MOE_CONFIG, experts_scanned=True)
 ZOO: dict[str, ZooEntry] = {
     "gemma_style": ZooEntry(GemmaStyleLM, token_batch, next_token, True),
     "linen_lm": ZooEntry(None, token_batch, next_token, True, linen=LinenLM(LINEN_CONFIG)),
@@ -505,5 +531,7 @@ ZOO: dict[str, ZooEntry] = {
     "sorted_moe": ZooEntry(sorted_moe_lm, token_batch, next_token, True),
     "shared_expert_moe": ZooEntry(shared_expert_lm, token_batch, next_token, True),
     "looped_moe": ZooEntry(looped_moe_lm, token_batch, next_token, True),
+    "rolled_moe": ZooEntry(rolled_moe_lm, token_batch, next_token, True),
+    "linen_scanned_moe": ZooEntry(None, token_batch, next_token, True, linen=LinenLM(LINEN_SCANNED_MOE_CONFIG)),
     "cnn_batchnorm": ZooEntry(SmallResNet, image_batch, classification, False),
 }

@@ -25,6 +25,7 @@ from shardkit.models import GPTConfig
 from shardkit.parallel.expert_placement import place_experts
 
 MOE_ZOO = ["user_moe", "linen_moe", "shared_expert_moe"]
+LOOP_ZOO = ["looped_moe", "rolled_moe", "linen_scanned_moe"]  # loops over the experts: unrolled, rolled
 EXPERT_LAYOUT = "data=2,expert=4"
 
 
@@ -159,7 +160,7 @@ def test_a_users_mixture_moves_tokens_to_its_experts_not_weights_to_its_tokens(n
     assert r.lower_bound["bytes_expert"] > 0 and expert_traffic(r), r.table()
 
 
-@pytest.mark.parametrize("name", [*MOE_ZOO, "sorted_moe", "looped_moe"])
+@pytest.mark.parametrize("name", [*MOE_ZOO, "sorted_moe", *LOOP_ZOO])
 def test_a_users_mixture_under_an_expert_layout_trains_as_one_device(name):
     t = quiet_trainer(name, EXPERT_LAYOUT)
     state, losses = t.init(seed=0), []
@@ -170,7 +171,7 @@ def test_a_users_mixture_under_an_expert_layout_trains_as_one_device(name):
     np.testing.assert_allclose(losses, one_device(name), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["user_moe", "linen_moe", "looped_moe"])
+@pytest.mark.parametrize("name", ["user_moe", "linen_moe", *LOOP_ZOO])
 def test_a_users_mixture_under_tensor_and_expert_axes_moves_its_bound(name):
     # The experts' hidden units split over tensor reduce their partial sums at the routed
     # buffers' size (k x capacity x the tokens'); here the experts' rows are split over tensor
@@ -207,7 +208,7 @@ def test_a_users_global_sort_routed_holds_less_memory_a_device():
     assert total[True] < 0.6 * total[False], total
 
 
-@pytest.mark.parametrize("name", [*MOE_ZOO, "sorted_moe", "looped_moe"])
+@pytest.mark.parametrize("name", [*MOE_ZOO, "sorted_moe", *LOOP_ZOO])
 def test_a_users_mixture_under_tensor_and_expert_axes_trains_as_one_device(name):
     # The experts' rows split over tensor where that moves fewer bytes than their hidden units;
     # the sorted section's pairs split over tensor too.
@@ -366,11 +367,13 @@ def test_the_steps_metrics_say_where_the_tokens_went_as_one_device_routes_them(l
 
 
 @pytest.mark.parametrize("layout", [EXPERT_LAYOUT, "data=2,fsdp=2,expert=2"])
-def test_a_loop_over_the_experts_runs_as_one_stacked_mixture_at_its_bound(layout):
-    # w[e] for each expert e, re-rolled: each expert group computes its own experts on the tokens
-    # of its rows (a dense mixture's gather and reduce-scatter over expert); no expert's weights
-    # reach another group, and no gradient of theirs is summed over expert.
-    r = report("looped_moe", layout)
+@pytest.mark.parametrize("name", LOOP_ZOO)
+def test_a_loop_over_the_experts_runs_as_one_stacked_mixture_at_its_bound(name, layout):
+    # w[e] for each expert e (a Python loop, a fori_loop, a scan over the weights), re-rolled:
+    # each expert group computes its own experts on the tokens of its rows (a dense mixture's
+    # gather and reduce-scatter over expert); no expert's weights reach another group, and no
+    # gradient of theirs is summed over expert.
+    r = report(name, layout)
     over_experts = sum(c.moved_bytes for c in r.collectives if c.axes == ("expert",))
     assert over_experts <= 1.10 * r.lower_bound["bytes_expert"], r.table()
     assert r.ratios["bytes"] <= 1.10, r.table()

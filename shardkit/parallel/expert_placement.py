@@ -56,6 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit.parallel.embedding_gradients import var_shape
 from shardkit.parallel.expert_loops import Loop, find_loops, stacked_term
+from shardkit.parallel.expert_scans import ScannedLoop, find_scans, scan_outputs, stacked_body
 from shardkit.parallel.experts import top_k_by_rows
 from shardkit.parallel.input_gradients import bind_retraced, retraced_params
 from shardkit.parallel.sorted_sections import find_sections, run_section
@@ -158,12 +159,13 @@ class _Placement:
         views = _expert_views(jaxpr, where) if where else {}
         sections = find_sections(jaxpr, views) if views else {}
         loops = find_loops(jaxpr, views) if views else {}
+        scans = find_scans(jaxpr, views) if views else {}
         for eqn in jaxpr.eqns:
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-                rewritten = self._rewritten(eqn, sections, loops, read, views)
+                rewritten = self._rewritten(eqn, sections, loops, scans, read, views)
                 outs = (
-                    [rewritten]
+                    rewritten
                     if rewritten is not None
                     else self._equation(eqn, [read(v) for v in eqn.invars], [_get(where, v) for v in eqn.invars])
                 )
@@ -177,27 +179,46 @@ class _Placement:
         return [read(v) for v in jaxpr.outvars]
 
     def _rewritten(
-        self, eqn: Any, sections: dict[Any, Any], loops: dict[Any, Loop], read: Callable[[Any], Any], views: dict
-    ) -> jax.Array | None:
-        """The value of ``eqn``'s output where it ends a section of sorted experts or a loop over
-        the experts, computed as routed pairs or as one stacked mixture; else None."""
+        self,
+        eqn: Any,
+        sections: dict[Any, Any],
+        loops: dict[Any, Loop],
+        scans: dict[int, ScannedLoop],
+        read: Callable[[Any], Any],
+        views: dict,
+    ) -> list[jax.Array] | None:
+        """The outputs of ``eqn`` where it ends a section of sorted experts, a loop over the
+        experts or is a scan over them, computed as routed pairs or as one stacked mixture; else None."""
         out = eqn.outvars[0] if eqn.outvars else None
         if out in sections:
             routed = run_section(sections[out], read, self.mesh, self.axis, self.token_axes)
-            if routed is not None:
-                self.placed += 1
-            return routed
-        if out not in loops:
-            return None
-        loop = loops[out]
-        fn, args, axes = stacked_term(loop, read)
+            if routed is None:
+                return None
+            self.placed += 1
+            return [routed]
+        if out in loops:
+            loop = loops[out]
+            fn, args, axes = stacked_term(loop, read)
+            inputs = [*loop.stacked, *loop.shared]
+            sources = [loop.stacked[v] if axis == 0 else None for v, axis in zip(inputs, axes, strict=True)]
+            (terms,) = self._stacked(fn, args, sources, views)
+            total = terms.sum(0)
+            return [total if loop.init is None else read(loop.init) + total]
+        if id(eqn) in scans:
+            scan = scans[id(eqn)]
+            steps, step_args, step_sources = stacked_body(scan, read)
+            return scan_outputs(scan, read, self._stacked(steps, step_args, step_sources, views))
+        return None
+
+    def _stacked(
+        self, fn: Callable[..., Any], args: list[Any], sources: list[tuple[Any, int, bool] | None], views: dict
+    ) -> list[jax.Array]:
+        """``fn(*args)`` (a loop's steps vectorised over the experts) evaluated with the experts
+        placed; ``sources[i]`` is where argument ``i`` was stacked from (its experts first), if it was."""
         closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args])
-        inputs = [*loop.stacked, *loop.shared]
-        dims = [0 if axis == 0 and loop.stacked[v][0] in views else None for v, axis in zip(inputs, axes, strict=True)]
-        specs = [self._stacked_spec(loop.stacked[v]) if d is not None else None for v, d in zip(inputs, dims)]
-        (terms,) = self.evaluate(closed.jaxpr, closed.consts, args, dims, specs)
-        total = terms.sum(0)
-        return total if loop.init is None else read(loop.init) + total
+        dims = [0 if s is not None and _get(views, s[0]) == s[1] else None for s in sources]
+        specs = [self._stacked_spec(s) if d is not None and s is not None else None for s, d in zip(sources, dims)]
+        return self.evaluate(closed.jaxpr, closed.consts, args, dims, specs)
 
     def _stacked_spec(self, stacked: tuple[Any, int, bool]) -> PartitionSpec | None:
         """How a matmul reads a loop's stacked weight (experts first): its grouped split moved."""

@@ -269,7 +269,7 @@ def _section(
     for eqn in jaxpr.eqns:
         if eqn.primitive.name != "gather" or not _gathers_rows(eqn):
             continue
-        source = _evaluated_on_iota(eqn.invars[1], order, producers, pairs)
+        source = evaluated_on_iota(eqn.invars[1], order, producers, pairs)
         tokens = eqn.invars[0]
         if source is None or not isinstance(tokens, Var) or source.min() < 0 or source.max() >= var_shape(tokens)[0]:
             continue
@@ -321,7 +321,7 @@ def _gathers_rows(eqn: JaxprEqn) -> bool:
     )
 
 
-def _evaluated_on_iota(
+def evaluated_on_iota(
     v: Any, order: JVar, producers: Mapping[JVar, JaxprEqn], pairs: int, root_values: np.ndarray | None = None
 ) -> np.ndarray | None:
     """``(P,)``: ``v``, an elementwise function of ``order`` (then a ``(P, 1)`` column), evaluated
@@ -421,7 +421,7 @@ def _scatters_back(eqn: JaxprEqn, order: JVar, producers: Mapping[JVar, JaxprEqn
         or dn.operand_batching_dims
     ):
         return False
-    at = _evaluated_on_iota(index, order, producers, m)
+    at = evaluated_on_iota(index, order, producers, m)
     return at is not None and np.array_equal(at, np.arange(m))
 
 
@@ -434,7 +434,7 @@ def _gathers_back(eqn: JaxprEqn, order: JVar, producers: Mapping[JVar, JaxprEqn]
     for root in _roots(index, producers):
         argsort = _argsort(producers[root], producers)
         if argsort is not None and argsort[0] is order:
-            at = _evaluated_on_iota(index, argsort[1], producers, m)
+            at = evaluated_on_iota(index, argsort[1], producers, m)
             return at is not None and np.array_equal(at, np.arange(m))
     return False
 
@@ -549,7 +549,7 @@ def _histogram(sizes: Any, keys: JVar, producers: Mapping[JVar, JaxprEqn], n_exp
     if pairs < n_experts:  # the keys' shape cannot hold every expert to check the index on
         return False
     experts = np.arange(pairs, dtype=var_dtype(keys)) % n_experts
-    at = _evaluated_on_iota(index, keys, producers, pairs, root_values=experts)
+    at = evaluated_on_iota(index, keys, producers, pairs, root_values=experts)
     return at is not None and np.array_equal(at, experts)
 
 
