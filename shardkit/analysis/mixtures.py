@@ -41,6 +41,7 @@ from shardkit.core.partition import Axes, path_str
 from shardkit.core.rules import entry_axes
 from shardkit.core.sharding import EXPERT_NAMES
 from shardkit.models.model import apply_model
+from shardkit.parallel.expert_tensor import dispatch_bytes
 from shardkit.parallel.experts import load_apart
 from shardkit.parallel.grouped_matmul import traced_as_native
 
@@ -264,17 +265,6 @@ def expert_traffic(
     return total
 
 
-def dispatch_bytes(routed_bytes: float, expert_axis: int) -> float:
-    """Bytes one device sends for one routed mixture's call, ``routed_bytes`` of its tokens'
-    expert slots: dispatch and combine, forward and backward, each an all-to-all over ``expert``.
-
-    Example:
-      >>> dispatch_bytes(1000.0, 4)  # 4 x 3/4 x 1000
-      3000.0
-    """
-    return 4 * moved_bytes("all-to-all", routed_bytes, expert_axis)
-
-
 def parameter_leaves(model: Any, abstract: Any = None) -> list[tuple[str, tuple[int, ...], tuple[Any, ...] | None]]:
     """``(path, shape, logical names)`` of a shardkit model's parameter leaves, in tree order
     (``abstract``: its parameters' shapes, where the caller has them already)."""
@@ -335,13 +325,14 @@ def bound_terms(
     the bound counts; default the model's own.
 
     Returns:
-      ``expert_param_bytes``, ``expert_whole_over_tensor_bytes`` and ``expert_bytes`` (the
-      dispatch and combine, traced only where the layout has an ``expert`` axis).
+      ``expert_param_bytes``, ``expert_whole_over_tensor_bytes``, ``expert_bytes`` (the
+      dispatch and combine) and ``expert_calls`` (the mixtures' calls a step), the last two
+      traced only where the layout has an ``expert`` axis.
     """
     abstract = model.abstract_params()
     leaves = parameter_leaves(model, abstract)
     experts = expert_weights(leaves)
-    out = {"expert_param_bytes": 0.0, "expert_whole_over_tensor_bytes": 0.0, "expert_bytes": 0.0}
+    out = {"expert_param_bytes": 0.0, "expert_whole_over_tensor_bytes": 0.0, "expert_bytes": 0.0, "expert_calls": 0}
     if not experts:
         return out
     params = jax.tree.leaves(abstract if held is None else held)
@@ -358,5 +349,7 @@ def bound_terms(
         rows_split = layout_shape.get("data", 1) * layout_shape.get("fsdp", 1) * e
         # A dropless dispatch pads each expert to every token of its group; its bound is what it routes.
         top_k = int(model.info.get("top_k", 0)) or top_k_in(traced) if model.info.get("moe_dropless") else 0
-        out["expert_bytes"] = expert_traffic(mixture_layers(traced, leaves), rows_split, e, itemsize, top_k, tokens)
+        layers = mixture_layers(traced, leaves)
+        out["expert_bytes"] = expert_traffic(layers, rows_split, e, itemsize, top_k, tokens)
+        out["expert_calls"] = sum(layer.count for layer in layers)
     return out

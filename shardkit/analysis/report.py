@@ -32,6 +32,7 @@ from shardkit.core.precision import Precision
 from shardkit.core.rules import Rules, entry_axes
 from shardkit.core.sharding import rows_only_expert_note, unnamed_model_note
 from shardkit.models.model import Model, model_facts
+from shardkit.parallel.expert_tensor import experts_under_tensor
 from shardkit.runtime.xla_flags import DRY_RUN_OPTIONS
 
 
@@ -194,6 +195,7 @@ def lower_bound(
     expert_param_bytes: float = 0.0,
     expert_whole_over_tensor_bytes: float = 0.0,
     expert_bytes: float = 0.0,
+    expert_calls: int = 0,
 ) -> dict[str, float]:
     """The least a layout must move and hold per device (ring collectives, ZeRO, Megatron, and a
     pipeline's sends between stages).
@@ -224,6 +226,10 @@ def lower_bound(
         (counted in ``whole_over_tensor_bytes`` too).
       expert_bytes: the experts' dispatch and combine over ``expert``
         (:func:`shardkit.analysis.mixtures.expert_traffic`).
+      expert_calls: the mixtures' calls a step (their layers). With ``tensor`` and ``expert``
+        axes each call takes the cheaper use of ``tensor`` for its experts: hidden units split
+        (counted among the Megatron blocks) or rows split
+        (:func:`shardkit.parallel.expert_tensor.experts_under_tensor`).
 
     Returns:
       ``{"bytes_per_device", "state_memory_per_device", "activation_bytes", plus each term}``.
@@ -254,6 +260,13 @@ def lower_bound(
         # rows gathered and outputs reduce-scattered, forward and backward.
         "expert": expert_bytes if e > 1 else 0.0,
     }
+    if e > 1 and t > 1 and expert_calls and expert_bytes:
+        split = expert_param_bytes > expert_whole_over_tensor_bytes
+        group_weights = expert_param_bytes / expert_calls / e
+        call = experts_under_tensor(expert_bytes / expert_calls, activation_bytes, group_weights, t, split)
+        as_megatron = 2 * moved_bytes("all-reduce", activation_bytes, t) if split else 0.0  # counted above
+        terms["expert"] = expert_calls * call["expert"]
+        terms["tensor"] = max(0.0, terms["tensor"] - expert_calls * as_megatron) + expert_calls * call["tensor"]
     return {
         "bytes_per_device": sum(terms.values()),
         "state_memory_per_device": state_bytes / n,

@@ -12,8 +12,11 @@ dispatcher, DeepSpeed-MoE), in a ``shard_map`` over the mesh:
    device: ``n`` blocks of ``C`` slots (``n`` the ``expert`` axis, ``C`` the slots a device may
    send another);
 2. one all-to-all over ``expert`` brings each device the rows of its ``E / n`` experts, which it
-   sorts by expert and runs through two grouped matmuls (the experts' hidden units split over
-   ``tensor`` where the layout has one: one reduction at the tokens' size after the combine);
+   sorts by expert and runs through two grouped matmuls. Under ``tensor`` the experts' hidden
+   units are split over it (one reduction at the tokens' size after the combine), or, where
+   that moves more (:func:`shardkit.parallel.expert_tensor.experts_under_tensor`, from the
+   sizes), the tokens' rows are split over it instead and the experts' weights gathered there:
+   each tensor rank then dispatches ``1/t`` of the tokens;
 3. one all-to-all back, and each token sums its experts' outputs weighted by its gates.
 
 A capacity drops the pairs GShard's einsum dispatch drops (each expert has ``factor x T x
@@ -48,6 +51,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from shardkit.core.partition import current_rules
 from shardkit.core.rules import entry_axes, resolve
+from shardkit.parallel.expert_tensor import dispatch_bytes, experts_under_tensor
 from shardkit.parallel.grouped_matmul import grouped_matmul
 
 
@@ -174,6 +178,7 @@ def sorted_experts(
     """
     n_experts, hidden = w_in.shape[0], w_in.shape[-1]
     split = _split_of(x, n_experts, hidden, axis, whole_rows=capacity_factor is not None)
+    split = _rows_over_tensor(split, x, experts.shape[-1], n_experts, w_in.size + w_out.size, capacity_factor)
     weights = (w_in, w_out, in_bias, out_bias)
 
     def body(x, experts, gates, w_in, w_out, in_bias, out_bias):
@@ -205,6 +210,37 @@ def sorted_experts(
         in_specs=(tokens, tokens, tokens, w_in_spec, PartitionSpec(ex, h, m), bias_spec, out_bias_spec),
         out_specs=(tokens, PartitionSpec()),
     )(x, experts, gates, *weights)
+
+
+def _rows_over_tensor(
+    split: _Split, x: jax.Array, top_k: int, n_experts: int, weight_size: int, capacity_factor: float | None
+) -> _Split:
+    """``split`` with the tokens' rows (or, without a capacity, their positions) split over
+    ``tensor`` in place of the experts' hidden units, where that moves fewer bytes: half the
+    dispatch and a gather of the tokens and of an expert group's weights over ``tensor``,
+    against the dispatch whole and a reduction at the tokens' size (both ways)."""
+    if split.mesh is None or split.hidden_axis is None or split.experts_over == 1:
+        return split
+    shape = dict(split.mesh.shape)
+    t, n = shape[split.hidden_axis], split.experts_over
+    local = [x.shape[d] // math.prod(shape[a] for a in entry_axes(split.token_spec[d])) for d in range(2)]
+    itemsize = x.dtype.itemsize
+    slots = slots_per_destination(local[0], local[1], top_k, n_experts, n, capacity_factor)
+    dispatch = dispatch_bytes(n * slots * x.shape[-1] * itemsize, n)
+    activation = local[0] * local[1] * x.shape[-1] * itemsize
+    cheaper = experts_under_tensor(dispatch, activation, weight_size * itemsize / n, t)
+    dims = [0] if capacity_factor is not None else [0, 1]  # a capacity ranks a row's pairs: rows whole
+    dim = next((d for d in dims if local[d] % t == 0), None)
+    if cheaper["expert"] == dispatch or dim is None:
+        return split
+    entries = list(split.token_spec)
+    entries[dim] = (*entry_axes(entries[dim]), split.hidden_axis)
+    return dataclasses.replace(
+        split,
+        token_spec=PartitionSpec(*entries),
+        token_axes=(*split.token_axes, split.hidden_axis),
+        hidden_axis=None,
+    )
 
 
 def _weights_here(split: _Split, *weights: tuple[jax.Array | None, int | None]) -> tuple[jax.Array | None, ...]:
