@@ -383,6 +383,7 @@ def build_report(
         tokens=int(rows * seq) if "tokens" in batch else 0,
         held=abstract.params,
     )
+    expert_calls = int(experts.pop("expert_calls"))
     bound = lower_bound(
         layout_shape,
         param_bytes,
@@ -394,6 +395,7 @@ def build_report(
         whole_over_tensor_bytes=_whole_over_tensor_bytes(params, trainer.param_specs)
         if layout_shape.get("tensor", 1) > 1
         else 0.0,
+        expert_calls=expert_calls,
         **experts,
     )
     model_flops = None
