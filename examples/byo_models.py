@@ -32,7 +32,10 @@ class LMConfig:
     # FSDP that is the gathered weights, gathered again in the backward pass as ZeRO-3 does.
     remat_policy: Any = None
     experts: int = 0  # > 0: each block's MLP is a top-2 mixture of this many experts (Linen)
-    experts_scanned: bool = False  # the mixture as a jax.lax.scan over the experts, not einsums
+    # How the mixture is written: "dense" (einsums, every expert on every token), "scan" (a
+    # jax.lax.scan over the experts' weights) or "sorted" (the batch's pairs sorted by expert,
+    # jax.lax.ragged_dot, scattered back).
+    expert_style: str = "dense"
 
 
 def causal_attention(q, k, v):
@@ -255,9 +258,18 @@ class LinenTopTwoExperts(nn.Module):
         shape_in, shape_out = (cfg.experts, cfg.dim, cfg.mlp), (cfg.experts, cfg.mlp, cfg.dim)
         w_in = self.param("w_in", nn.with_logical_partitioning(init, ("expert", "embed", "mlp")), shape_in)
         w_out = self.param("w_out", nn.with_logical_partitioning(init, ("expert", "mlp", "embed")), shape_out)
-        if cfg.experts_scanned:  # one expert a step: its weights and its gates' column scanned over
+        if cfg.expert_style == "scan":  # one expert a step: its weights and its gates' column scanned over
             step = lambda out, w: (out + (nn.silu(x @ w[0]) @ w[1]) * w[2][..., None], None)
             return jax.lax.scan(step, jnp.zeros_like(x), (w_in, w_out, jnp.moveaxis(gates, -1, 0)))[0]
+        if cfg.expert_style == "sorted":  # dropless: each (token, choice) pair's rows grouped by expert
+            b, t, d = x.shape
+            flat = index.reshape(-1)
+            order = jnp.argsort(flat, stable=True)
+            rows = x.reshape(b * t, d)[order // 2]
+            sizes = jnp.bincount(flat, length=cfg.experts).astype(jnp.int32)
+            out = jax.lax.ragged_dot(nn.silu(jax.lax.ragged_dot(rows, w_in, sizes)), w_out, sizes)
+            back = jnp.zeros_like(out).at[order].set(out).reshape(b, t, 2, d)
+            return jnp.einsum("btkd,btk->btd", back, weights)
         h = nn.silu(jnp.einsum("btd,edf->btef", x, w_in))  # (B, T, E, F)
         return jnp.einsum("bted,bte->btd", jnp.einsum("btef,efd->bted", h, w_out), gates)
 

@@ -22,7 +22,9 @@
 - ``rolled_moe``: NNX, the same loop as ``jax.lax.fori_loop``, ``w[e]`` read at the loop's
   counter (``RolledLoopExperts``);
 - ``linen_scanned_moe``: Linen, ``linen_moe``'s experts as a ``jax.lax.scan`` over the stacked
-  expert weights and the gates' columns (``byo_models.LinenTopTwoExperts``, ``experts_scanned``);
+  expert weights and the gates' columns (``byo_models.LinenTopTwoExperts``, ``expert_style="scan"``);
+- ``linen_sorted_moe``: Linen, ``linen_moe``'s experts dropless: the batch's pairs sorted by
+  expert, ``jax.lax.ragged_dot``, scattered back (``expert_style="sorted"``);
 - ``cnn_batchnorm``: NNX, residual convolutions with ``nnx.BatchNorm``.
 
 Nothing here imports shardkit. Each :class:`ZooEntry` gives the module's constructor, a batch
@@ -519,7 +521,8 @@ class ZooEntry:
 
 LINEN_CONFIG = LMConfig(dim=DIM, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, mlp=MLP, layers=LAYERS)
 LINEN_MOE_CONFIG = dataclasses.replace(LINEN_CONFIG, experts=4)
-LINEN_SCANNED_MOE_CONFIG = dataclasses.replace(LINEN_MOE_CONFIG, experts_scanned=True)
+LINEN_SCANNED_MOE_CONFIG = dataclasses.replace(LINEN_MOE_CONFIG, expert_style="scan")
+LINEN_SORTED_MOE_CONFIG = dataclasses.replace(LINEN_MOE_CONFIG, expert_style="sorted")
 ZOO: dict[str, ZooEntry] = {
     "gemma_style": ZooEntry(GemmaStyleLM, token_batch, next_token, True),
     "linen_lm": ZooEntry(None, token_batch, next_token, True, linen=LinenLM(LINEN_CONFIG)),
@@ -533,5 +536,6 @@ ZOO: dict[str, ZooEntry] = {
     "looped_moe": ZooEntry(looped_moe_lm, token_batch, next_token, True),
     "rolled_moe": ZooEntry(rolled_moe_lm, token_batch, next_token, True),
     "linen_scanned_moe": ZooEntry(None, token_batch, next_token, True, linen=LinenLM(LINEN_SCANNED_MOE_CONFIG)),
+    "linen_sorted_moe": ZooEntry(None, token_batch, next_token, True, linen=LinenLM(LINEN_SORTED_MOE_CONFIG)),
     "cnn_batchnorm": ZooEntry(SmallResNet, image_batch, classification, False),
 }

@@ -27,6 +27,7 @@ from shardkit.parallel.expert_tensor import experts_under_tensor
 
 MOE_ZOO = ["user_moe", "linen_moe", "shared_expert_moe"]
 LOOP_ZOO = ["looped_moe", "rolled_moe", "linen_scanned_moe"]  # loops over the experts: unrolled, rolled
+SORT_ZOO = ["sorted_moe", "linen_sorted_moe"]  # the batch's pairs sorted by expert, ragged_dot
 EXPERT_LAYOUT = "data=2,expert=4"
 
 
@@ -161,7 +162,7 @@ def test_a_users_mixture_moves_tokens_to_its_experts_not_weights_to_its_tokens(n
     assert r.lower_bound["bytes_expert"] > 0 and expert_traffic(r), r.table()
 
 
-@pytest.mark.parametrize("name", [*MOE_ZOO, "sorted_moe", *LOOP_ZOO])
+@pytest.mark.parametrize("name", [*MOE_ZOO, *SORT_ZOO, *LOOP_ZOO])
 def test_a_users_mixture_under_an_expert_layout_trains_as_one_device(name):
     t = quiet_trainer(name, EXPERT_LAYOUT)
     state, losses = t.init(seed=0), []
@@ -245,13 +246,14 @@ def test_a_users_mixture_under_tensor_and_expert_axes_trains_as_one_device(name)
     np.testing.assert_allclose(losses, one_device(name), rtol=2e-5, atol=2e-5)
 
 
-def test_a_users_global_sort_and_ragged_dot_moves_routed_rows_to_their_experts():
+@pytest.mark.parametrize("name", SORT_ZOO)
+def test_a_users_global_sort_and_ragged_dot_moves_routed_rows_to_their_experts(name):
     # The zoo's argsort, gather, ragged_dot and scatter over the whole batch run as each device's
     # own pairs: per layer one all-to-all of (4 devices, C, 64) rows and one of the experts'
     # counts forward, one of outputs back, and the two of rows in the backward pass. Dropless
     # with static shapes, C is a device's 64 tokens x min(top-2, 1 expert a device): twice the
     # 128 pairs routed, which is all that is over the bound, and the report names it.
-    r = report("sorted_moe", EXPERT_LAYOUT)
+    r = report(name, EXPERT_LAYOUT)
     all_to_alls = [c for c in r.collectives if c.kind == "all-to-all"]
     assert all(c.axes == ("expert",) for c in all_to_alls)
     assert sum(c.count * c.payload_bytes for c in all_to_alls) == 2 * (4 * 4 * 64 * 64 * 4 + 4 * 4)

@@ -210,8 +210,15 @@ def beyond_the_bound(
     # An experts' op whose forward traffic over expert is no term's: its backward (which may look
     # like a gradient's reduction) is the same op's, beyond the bound too.
     expert_ops = {_op_key(c) for c in stats if experts and "expert" in c.axes and not term_of(c)}
+    tensor_experts = experts and bound.get("bytes_tensor", 0.0) > 0
     for c in stats:
-        by_term["" if _op_key(c) in expert_ops else term_of(c)].append(c)
+        term = "" if _op_key(c) in expert_ops else term_of(c)
+        if not term and tensor_experts and c.axes == ("tensor",) and c.kind in ("all-gather", "reduce-scatter"):
+            # The bound's cheaper use of tensor for small experts: their rows split over tensor,
+            # the tokens' outputs and the experts' weights gathered there (their gradients
+            # reduce-scattered) are what its tensor term counts.
+            term = "tensor"
+        by_term[term].append(c)
     named = [(c, "", c.moved_bytes) for c in by_term.pop("", [])]
     for term, members in by_term.items():
         budget = _budget(bound, term)
