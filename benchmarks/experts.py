@@ -11,7 +11,8 @@ tokens dropped; ``gpt_dropless``: sorted with room for every pair), and the zoo'
 routed pairs where the traced program proves it), ``shared_expert_moe`` (sigmoid scores, a
 one-hot einsum, a shared expert), ``looped_moe`` (a Python loop over ``w[e]``: re-rolled
 into one stacked mixture), ``rolled_moe`` (the loop as ``jax.lax.fori_loop``) and
-``linen_scanned_moe`` (Linen, a ``jax.lax.scan`` over the experts): both re-rolled likewise.
+``linen_scanned_moe`` (Linen, a ``jax.lax.scan`` over the experts): both re-rolled likewise;
+``linen_sorted_moe`` (Linen, ``sorted_moe``'s global sort).
 4 experts, 8 under ``expert=8``. Each row is one compiled train step on 8 simulated CPU devices.
 
     python benchmarks/experts.py                         # every style, the four expert layouts and data=8
@@ -40,6 +41,7 @@ from byo_models import LinenLM
 from zoo import (
     LINEN_MOE_CONFIG,
     LINEN_SCANNED_MOE_CONFIG,
+    LINEN_SORTED_MOE_CONFIG,
     ZOO,
     LlamaStyleLM,
     LoopedExperts,
@@ -52,7 +54,7 @@ from zoo import (
 LAYOUTS = ("data=2,expert=4", "expert=8", "tensor=2,expert=4", "data=2,fsdp=2,expert=2", "data=8")
 MODELS = (
     "gpt", "gpt_einsum", "gpt_dropless", "user_moe", "linen_moe", "sorted_moe", "shared_expert_moe", "looped_moe",
-    "rolled_moe", "linen_scanned_moe",
+    "rolled_moe", "linen_scanned_moe", "linen_sorted_moe",
 )  # fmt: skip
 
 
@@ -63,8 +65,10 @@ def model(name: str, experts: int) -> tuple[sk.Model, object, dict]:
         cfg = sk.models.GPTConfig.preset("tiny-moe", n_experts=experts, **dispatch)
         return cfg.model(), sk.next_token_loss, {"tokens": jax.ShapeDtypeStruct((16, 129), jnp.int32)}
     batch = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in ZOO[name].batch(0).items()}
-    if name in ("linen_moe", "linen_scanned_moe"):
-        config = LINEN_MOE_CONFIG if name == "linen_moe" else LINEN_SCANNED_MOE_CONFIG
+    if name.startswith("linen"):
+        config = {"linen_moe": LINEN_MOE_CONFIG, "linen_scanned_moe": LINEN_SCANNED_MOE_CONFIG}.get(
+            name, LINEN_SORTED_MOE_CONFIG
+        )
         linen = LinenLM(dataclasses.replace(config, experts=experts))
         return sk.from_linen(linen, jnp.zeros((2, 32), jnp.int32)), ZOO[name].loss, batch
     layer = {

@@ -4,12 +4,10 @@ and only where every copy is the same computation on its own expert."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from placement_checks import placed_as_written
+from placement_checks import placed_as_written, rerolled_in_scanned_layers, shapes
 
 from shardkit.parallel.expert_loops import find_loops
-from shardkit.parallel.expert_placement import place_experts
 
 E, D, F = 4, 8, 64
 EXPERT_DIMS = {2: 0, 3: 0}  # leaves in tree order: router, shared, w_in, w_out
@@ -94,26 +92,7 @@ def test_a_loop_inside_a_rematerialised_layer_is_re_rolled_there(mesh):
 
 
 def test_a_loop_in_a_scanned_stack_of_layers_is_re_rolled_in_the_scan_body(mesh):
-    moe = looped()
-
-    def stacked(p, x):
-        layers = {k: v for k, v in p.items() if k.startswith("w_")}
-        body = lambda h, w: (moe({**w, "router": p["router"], "shared": p["shared"]}, h), None)
-        return jax.lax.scan(body, x, layers)[0]
-
-    two = {k: (jnp.stack([v, v * 0.5]) if k.startswith("w_") else v) for k, v in params().items()}
-    placed = place_experts(stacked, {2: 1, 3: 1}, mesh, token_axes=("data", "expert"))
-    x = tokens()
-    with jax.default_device(jax.devices()[0]):
-        expected = stacked(two, x)
-    np.testing.assert_allclose(jax.jit(placed)(two, x), expected, rtol=1e-5, atol=1e-5)
-    closed = jax.make_jaxpr(placed)(two, x)
+    body = rerolled_in_scanned_layers(looped(), params(), tokens(), mesh)
     # The re-rolled body holds a matmul of the whole stack of experts (the copies' own are dead).
-    (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
-    body = scan.params["jaxpr"].jaxpr
     stacked_matmuls = [e for e in body.eqns if e.primitive.name == "dot_general" and (E, D, F) in shapes(e)]
     assert stacked_matmuls, body
-
-
-def shapes(eqn):
-    return [getattr(v.aval, "shape", ()) for v in eqn.invars]

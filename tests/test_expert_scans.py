@@ -4,12 +4,10 @@ gradients as the loop as written (computed on one device), and only where the st
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from placement_checks import placed_as_written
+from placement_checks import placed_as_written, rerolled_in_scanned_layers, shapes
 from test_expert_loops import EXPERT_DIMS, E, assert_experts_stay, params, tokens
 
-from shardkit.parallel.expert_placement import place_experts
 from shardkit.parallel.expert_scans import find_scans
 
 
@@ -87,24 +85,7 @@ def test_a_rolled_loop_that_is_not_a_sum_of_experts_runs_as_written(change, mesh
 
 
 def test_a_rolled_loop_in_a_scanned_stack_of_layers_is_re_rolled_in_the_scan_body(mesh):
-    def stacked(p, x):
-        layers = {k: v for k, v in p.items() if k.startswith("w_")}
-        body = lambda h, w: (fori({**w, "router": p["router"], "shared": p["shared"]}, h), None)
-        return jax.lax.scan(body, x, layers)[0]
-
-    two = {k: (jnp.stack([v, v * 0.5]) if k.startswith("w_") else v) for k, v in params().items()}
-    placed = place_experts(stacked, {2: 1, 3: 1}, mesh, token_axes=("data", "expert"))
-    x = tokens()
-    with jax.default_device(jax.devices()[0]):
-        expected = stacked(two, x)
-    np.testing.assert_allclose(jax.jit(placed)(two, x), expected, rtol=1e-5, atol=1e-5)
-    closed = jax.make_jaxpr(placed)(two, x)
-    (layers,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
-    body = layers.params["jaxpr"].jaxpr
+    body = rerolled_in_scanned_layers(fori, params(), tokens(), mesh)
     # The layer's loop over its experts is gone: its steps are one matmul of the whole stack.
     assert not [e for e in body.eqns if e.primitive.name == "scan"], body
     assert [e for e in body.eqns if e.primitive.name == "dot_general" and (E, 8, 64) in shapes(e)], body
-
-
-def shapes(eqn):
-    return [getattr(v.aval, "shape", ()) for v in eqn.invars]

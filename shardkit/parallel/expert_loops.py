@@ -137,11 +137,7 @@ def stacked_term(
     """``(fn, args, axes)``: ``fn(*args)`` is every copy's term stacked ``(E, ...)``; ``axes`` says
     where each argument's experts are (0 for the stacked, None for the shared)."""
     stacked_vars = list(loop.stacked)
-    args: list[Any] = []
-    for v in stacked_vars:
-        src, dim, squeezed = loop.stacked[v]
-        x = jnp.moveaxis(read(src), dim, 0)  # (E, ...): copy e's slice is x[e]
-        args.append(x if squeezed else jnp.expand_dims(x, dim + 1))
+    args = stacked_slices(loop.stacked, read)
     args += [read(v) for v in loop.shared]
     inputs = [*stacked_vars, *loop.shared]
 
@@ -156,6 +152,17 @@ def stacked_term(
 
     axes: list[int | None] = [0] * len(stacked_vars) + [None] * len(loop.shared)
     return jax.vmap(term, in_axes=tuple(axes)), args, axes
+
+
+def stacked_slices(stacked: Mapping[JVar, tuple[JVar, int, bool]], read: Callable[[JVar], Any]) -> list[Any]:
+    """Each of ``stacked``'s sources (``{slice: (array, dimension, squeezed)}``) with that
+    dimension first, ``(E, ...)``: copy (or step) ``e``'s slice is its row ``e``, kept as a size-1
+    dimension where the slice kept it."""
+    out = []
+    for src, dim, squeezed in stacked.values():
+        x = jnp.moveaxis(read(src), dim, 0)
+        out.append(x if squeezed else jnp.expand_dims(x, dim + 1))
+    return out
 
 
 def _indexed(v: JVar, producers: Mapping[JVar, JaxprEqn]) -> _Indexed | None:

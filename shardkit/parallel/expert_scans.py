@@ -53,6 +53,7 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
 from shardkit.parallel.embedding_gradients import var_dtype, var_shape
+from shardkit.parallel.expert_loops import stacked_slices
 from shardkit.parallel.sorted_sections import evaluated_on_iota
 
 # A jaxpr variable (jax.extend.core.Var), typed loosely: its aval's shape is not in JAX's types.
@@ -106,11 +107,7 @@ def stacked_body(
     stacked from an outer array (its experts first), None for the counter and the shared."""
     body = loop.scan.params["jaxpr"]
     stacked_vars = list(loop.stacked)
-    args: list[Any] = []
-    for v in stacked_vars:
-        src, dim, squeezed = loop.stacked[v]
-        x = jnp.moveaxis(read(src), dim, 0)  # (E, ...): step e's slice is x[e]
-        args.append(x if squeezed else jnp.expand_dims(x, dim + 1))
+    args = stacked_slices(loop.stacked, read)
     inputs = list(stacked_vars)
     sources: list[tuple[JVar, int, bool] | None] = [loop.stacked[v] for v in stacked_vars]
     if loop.counter is not None:
@@ -175,8 +172,10 @@ def _scanned_loop(scan: JaxprEqn, expert_dims: Mapping[JVar, int]) -> ScannedLoo
         start = scan.invars[n_consts + i]
         if out is c:
             carries.append(("same", None))
-        elif _adds(producers.get(out), c, lambda a: isinstance(a, Literal) and a.val == 1) and isinstance(
-            start, Literal
+        elif (
+            _adds(producers.get(out), c, lambda a: isinstance(a, Literal) and a.val == 1)
+            and isinstance(start, Literal)
+            and np.issubdtype(var_dtype(c), np.integer)
         ):
             if counter is not None or scan.params["reverse"]:
                 return None  # two counters, or one counting down the steps
