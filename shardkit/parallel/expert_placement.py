@@ -282,11 +282,7 @@ class _Placement:
             out_dim = i
             self.routed[eqn.outvars[0]] = i
         elif d not in contract[weight]:
-            free = [
-                k for k in range(eqn.invars[weight].aval.ndim) if k not in contract[weight] and k not in batch[weight]
-            ]
-            lhs_free = eqn.invars[0].aval.ndim - len(contract[0]) - len(batch[0])
-            out_dim = len(batch[0]) + (lhs_free if weight == 1 else 0) + free.index(d)
+            out_dim = _free_out_dim(eqn, weight, d)
         if out_dim is not None and (rows := self._rows_over_tensor(eqn, args, weight)) is not None:
             return self._dot_rows_over_tensor(eqn, args, weight, d, token_dim, out_dim, rows)
         if token_dim is not None:
@@ -323,8 +319,7 @@ class _Placement:
         if 3 * weight_bytes >= 2 * routed_bytes:
             return None
         k = max(splittable, key=lambda k: tokens.shape[k])
-        lhs_free = eqn.invars[0].aval.ndim - len(contract[0]) - len(batch[0])
-        return k, len(batch[0]) + (lhs_free if tok == 1 else 0) + free.index(k)
+        return k, _free_out_dim(eqn, tok, k)
 
     def _dot_rows_over_tensor(
         self, eqn: Any, args: list[Any], weight: int, d: int, token_dim: int | None, out_dim: int, rows: tuple[int, int]
@@ -355,6 +350,15 @@ class _Placement:
             eqn, params, lambda jaxpr, consts, xs: self.evaluate(jaxpr, consts, xs, dims, specs)
         )
         return None if self.placed == before else rewritten
+
+
+def _free_out_dim(eqn: Any, operand: int, dim: int) -> int:
+    """The output dimension of matmul ``eqn`` that free dimension ``dim`` of its operand becomes
+    (dot_general's output: batch dimensions, then the left operand's free ones, then the right's)."""
+    (contract, batch) = eqn.params["dimension_numbers"]
+    free = [k for k in range(eqn.invars[operand].aval.ndim) if k not in contract[operand] and k not in batch[operand]]
+    lhs_free = eqn.invars[0].aval.ndim - len(contract[0]) - len(batch[0])
+    return len(batch[0]) + (lhs_free if operand == 1 else 0) + free.index(dim)
 
 
 def _expert_views(jaxpr: Jaxpr, where: dict[Any, int]) -> dict[Any, int]:

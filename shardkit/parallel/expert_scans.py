@@ -54,7 +54,7 @@ from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
 from shardkit.parallel.embedding_gradients import var_dtype, var_shape
 from shardkit.parallel.expert_loops import stacked_slices
-from shardkit.parallel.sorted_sections import evaluated_on_iota
+from shardkit.parallel.sorted_sections import evaluated_on_iota, needed_for
 
 # A jaxpr variable (jax.extend.core.Var), typed loosely: its aval's shape is not in JAX's types.
 JVar = Any
@@ -173,7 +173,8 @@ def _scanned_loop(scan: JaxprEqn, expert_dims: Mapping[JVar, int]) -> ScannedLoo
         if out is c:
             carries.append(("same", None))
         elif (
-            _adds(producers.get(out), c, lambda a: isinstance(a, Literal) and a.val == 1)
+            isinstance(step := _added_to(producers.get(out), c), Literal)
+            and step.val == 1
             and isinstance(start, Literal)
             and np.issubdtype(var_dtype(c), np.integer)
         ):
@@ -195,7 +196,7 @@ def _scanned_loop(scan: JaxprEqn, expert_dims: Mapping[JVar, int]) -> ScannedLoo
         stacked[x] = (outer[x], 0, True)
     kept: list[JaxprEqn] = []
     first = next((value for kind, value in carries if kind == "counter"), 0)
-    for eqn in _needed(body.eqns, results):
+    for eqn in needed_for(body.eqns, results):
         sliced = _slice_at_step(eqn, producers, counter, first, length)
         step_of = stacked.get(eqn.invars[0]) if eqn.primitive.name == "squeeze" else None
         if sliced is not None and sliced in consts_in:
@@ -217,14 +218,6 @@ def _scanned_loop(scan: JaxprEqn, expert_dims: Mapping[JVar, int]) -> ScannedLoo
     return ScannedLoop(scan, length, tuple(kept), stacked, shared, counter, tuple(carries), ys)
 
 
-def _adds(eqn: JaxprEqn | None, c: JVar, other: Callable[[Any], bool]) -> bool:
-    """``eqn`` is ``c + other`` or ``other + c``."""
-    if eqn is None or eqn.primitive.name != "add":
-        return False
-    a, b = eqn.invars
-    return (a is c and other(b)) or (b is c and other(a))
-
-
 def _added_to(eqn: JaxprEqn | None, c: JVar) -> Any:
     """``t`` where ``eqn`` is ``c + t`` or ``t + c`` (``t`` not ``c``); else None."""
     if eqn is None or eqn.primitive.name != "add":
@@ -235,17 +228,6 @@ def _added_to(eqn: JaxprEqn | None, c: JVar) -> Any:
     if b is c and a is not c:
         return a
     return None
-
-
-def _needed(eqns: list[JaxprEqn], results: list[Any]) -> list[JaxprEqn]:
-    """The equations ``results`` depend on, in program order."""
-    wanted = {r for r in results if isinstance(r, Var)}
-    kept = []
-    for eqn in reversed(eqns):
-        if any(v in wanted for v in eqn.outvars):
-            kept.append(eqn)
-            wanted.update(a for a in eqn.invars if isinstance(a, Var))
-    return kept[::-1]
 
 
 def _reads_any(results: list[Any], carries: set[JVar], producers: Mapping[JVar, JaxprEqn]) -> bool:

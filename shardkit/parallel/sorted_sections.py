@@ -398,7 +398,7 @@ def _segment(
             elif eqn.primitive.name == "gather" and _gathers_back(eqn, order, producers, m, row_vars):
                 result = eqn.invars[0]
             if result is not None:
-                needed = _needed(cone, result)
+                needed = needed_for(cone, [result])
                 found = _checked(needed, rows, result, eqn.outvars[0], producers, keys, n_experts, expert_dims)
                 # An input computed from the rows themselves keeps the whole-batch program alive.
                 return None if found is None or descendants.intersection(found[-1]) else found
@@ -457,10 +457,10 @@ def _roots(v: Any, producers: Mapping[JVar, JaxprEqn]) -> list[JVar]:
     return out
 
 
-def _needed(cone: list[JaxprEqn], result: JVar) -> list[JaxprEqn]:
-    """The equations of ``cone`` that ``result`` depends on, in program order."""
-    wanted, kept = {result}, []
-    for eqn in reversed(cone):
+def needed_for(eqns: Sequence[JaxprEqn], results: Sequence[Any]) -> list[JaxprEqn]:
+    """The equations of ``eqns`` that ``results`` depend on, in program order."""
+    wanted, kept = {r for r in results if isinstance(r, Var)}, []
+    for eqn in reversed(eqns):
         if any(v in wanted for v in eqn.outvars):
             kept.append(eqn)
             wanted.update(a for a in eqn.invars if isinstance(a, Var))
