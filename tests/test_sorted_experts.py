@@ -5,6 +5,7 @@ and the blocked grouped matmul against ``jax.lax.ragged_dot``."""
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -90,9 +91,10 @@ def test_dropless_sorted_memory_grows_with_the_sequence_where_the_einsums_grows_
     assert temp_bytes("sorted", 2048) * 20 < temp_bytes("einsum", 2048)
 
 
+@pytest.mark.parametrize("dispatch", ["sorted", "einsum"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_gpt_is_at_its_bound_on_every_expert_layout(layout):
-    cfg = GPTConfig.preset("tiny-moe", n_experts=8 if layout == "expert=8" else 4)
+def test_the_gpt_is_at_its_bound_on_every_expert_layout(layout, dispatch):
+    cfg = GPTConfig.preset("tiny-moe", n_experts=8 if layout == "expert=8" else 4, moe_dispatch=dispatch)
     r = sk.Trainer(cfg.model(), optax.adamw(1e-3), layout).report(
         {"tokens": jax.ShapeDtypeStruct((16, 129), jnp.int32)}
     )
@@ -123,6 +125,32 @@ def test_under_tensor_the_gpt_splits_its_experts_rows_or_hidden_units_whichever_
         tokens = rows // 4 * seq * cfg.dim * 4  # (XLA may fold a small reduction into one: a few KB more)
         assert sum(c.count for c in reduced) == 2 * cfg.n_layers
         assert all(tokens <= c.payload_bytes <= 1.05 * tokens for c in reduced), r.table()
+
+
+@pytest.mark.parametrize("options", [{"capacity_factor": 1.0}, {"dropless": True}])
+def test_under_tensor_the_einsum_dispatch_splits_its_rows_where_that_moves_less_and_computes_the_same(options):
+    # 16 rows of 32 tokens, small experts (8 of 16 x 2 x 4 + 4 x 16): under tensor=2,expert=4 each
+    # tensor rank dispatches its own 2 of its group's 4 rows, so the all-to-alls carry half the
+    # slots the hidden units' split sends; the values and gradients are one device's.
+    inputs = layer(experts=8, rows=16, tokens=32, dim=16, hidden=4)
+    value, dropped, grads = loss_and_grads(inputs, "einsum", top_k=2, **options)  # one device
+    mesh = sk.Layout.parse("tensor=2,expert=4").make_mesh(jax.devices())
+    with sk.use_sharding(mesh, sk.default_rules()):
+        split_value, split_dropped, split_grads = loss_and_grads(inputs, "einsum", top_k=2, **options)
+        fn = jax.jit(lambda args: moe_layer(*args, top_k=2, dispatch="einsum", **options)[0])
+        hlo = fn.lower(inputs).compile().as_text()
+    np.testing.assert_allclose(split_value, value, rtol=1e-5)
+    assert float(split_dropped) == pytest.approx(float(dropped))
+    for ours, theirs in zip(jax.tree.leaves(split_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * float(jnp.abs(theirs).max()))
+    # A device's buffers: every expert's slots of its rows, C = ceil(1.0 x 32 x 2 / 8) = 8 a row
+    # (dropless: the row's 32 tokens), 2 rows here (4 with the hidden units split).
+    slots = 8 if "capacity_factor" in options else 32
+    exchanged = [line for line in hlo.splitlines() if " all-to-all(" in line]
+    assert len(exchanged) == 2, exchanged  # forward: dispatch and combine
+    for line in exchanged:  # its result: one array, or a tuple of the pieces sent each device
+        shapes = re.findall(r"f32\[([\d,]+)\]", line.split(" all-to-all(")[0])
+        assert sum(math.prod(map(int, shape.split(","))) for shape in shapes) == 8 * 2 * slots * 16, line
 
 
 @pytest.mark.parametrize(

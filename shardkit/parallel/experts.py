@@ -22,7 +22,13 @@ from jax.sharding import PartitionSpec
 from shardkit.core.errors import InputError, ModelError
 from shardkit.core.partition import current_rules, logical
 from shardkit.core.rules import resolve
-from shardkit.parallel.sorted_experts import row_capacity, sorted_experts
+from shardkit.parallel.sorted_experts import (
+    Weights,
+    experts_island,
+    row_capacity,
+    rows_over_tensor_split,
+    sorted_experts,
+)
 
 # How a layer's tokens reach its experts: GShard's one-hot einsums, or sorted rows and grouped matmuls.
 DISPATCHES = ("einsum", "sorted")
@@ -143,17 +149,26 @@ def route_tokens(
 def _slotted(experts: jax.Array, gates: jax.Array, probs: jax.Array, capacity: int) -> Routing:
     """The :class:`Routing` of a choice ``experts (G, S, k)`` with ``capacity`` slots per expert and group."""
     g, s, top_k = experts.shape
-    e = probs.shape[-1]
-    choice = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # (G, S, k, E)
+    dispatch, combine, kept = _slot_masks(experts, gates, probs.shape[-1], capacity)
+    dropped = 1.0 - kept / (g * s * top_k)
+    return Routing(dispatch, combine, *_load(experts, probs), dropped)
+
+
+def _slot_masks(
+    experts: jax.Array, gates: jax.Array, n_experts: int, capacity: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(dispatch, combine (G, S, E, C), kept ())``: the one-hot slots of a choice
+    ``experts (G, S, k)`` weighted by ``gates`` (for the combine), and the pairs that found one."""
+    g, s, top_k = experts.shape
+    choice = jax.nn.one_hot(experts, n_experts, dtype=jnp.int32)  # (G, S, k, E)
     # Slots are filled by all first choices (in token order), then all second choices, ...
-    order = choice.transpose(0, 2, 1, 3).reshape(g, top_k * s, e)
-    slot = (jnp.cumsum(order, axis=1) - 1).reshape(g, top_k, s, e).transpose(0, 2, 1, 3)  # (G, S, k, E)
+    order = choice.transpose(0, 2, 1, 3).reshape(g, top_k * s, n_experts)
+    slot = (jnp.cumsum(order, axis=1) - 1).reshape(g, top_k, s, n_experts).transpose(0, 2, 1, 3)  # (G, S, k, E)
     kept = choice * (slot < capacity)
     one_slot = jax.nn.one_hot(jnp.where(kept > 0, slot, -1), capacity, dtype=jnp.float32)  # (G, S, k, E, C)
     dispatch = one_slot.sum(axis=2)  # (G, S, E, C)
     combine = (one_slot * gates[..., None, None]).sum(axis=2)  # (G, S, E, C)
-    dropped = 1.0 - kept.sum() / (g * s * top_k)
-    return Routing(dispatch, combine, *_load(experts, probs), dropped)
+    return dispatch, combine, kept.sum()
 
 
 def choose_experts(
@@ -383,26 +398,78 @@ def moe_layer(
     with jax.named_scope("router"):
         routing = _slotted(experts, gates, probs, row_capacity(x.shape[1], top_k, router.shape[-1], factor))
     assert routing.dispatch is not None and routing.combine is not None
+    if (split := rows_over_tensor_split(x, top_k, w_in, w_out, factor)) is not None:
+        # The tokens' rows split over tensor move less than the experts' hidden units split there:
+        # the same dispatch on each tensor rank's rows, in the experts' island.
+        with jax.named_scope("experts"):
+            weights = (w_in, w_out, in_bias, out_bias)
+            y, _ = experts_island(x, experts, gates, weights, split, factor, (activation, glu), _einsum_local)
+        return y.astype(x.dtype), routing
     with jax.named_scope("dispatch"):
         buffers = jnp.einsum("gsec,gsd->egcd", routing.dispatch.astype(x.dtype), x)  # (E, B, C, D), local tokens
         buffers = exchange(buffers, to_experts=True)
     with jax.named_scope("experts"):
-        if w_in.ndim == 4:
-            h = jnp.einsum("egcd,edxf->egcxf", buffers, w_in.astype(x.dtype))  # (E, B, C, 2, F)
-            if in_bias is not None:
-                h = h + in_bias.astype(x.dtype)[:, None, None]
-            gate, up = h[..., 0, :], h[..., 1, :]
-            h = glu(gate, up) if glu is not None else activation(gate) * up  # (E, B, C, F)
-        else:
-            h = jnp.einsum("egcd,edf->egcf", buffers, w_in.astype(x.dtype))
-            h = activation(h if in_bias is None else h + in_bias.astype(x.dtype)[:, None, None])  # (E, B, C, F)
-        out = jnp.einsum("egcf,efd->egcd", h, w_out.astype(x.dtype))  # (E, B, C, D)
-        if out_bias is not None:  # on empty slots too: their combine weight is 0
-            out = out + out_bias.astype(x.dtype)[:, None, None]
+        out = _experts_on_buffers(buffers, (w_in, w_out, in_bias, out_bias), activation, glu)
         out = exchange(out, to_experts=False)
     with jax.named_scope("combine"):
         y = jnp.einsum("gsec,egcd->gsd", routing.combine.astype(x.dtype), out)  # (B, T, D)
     return y, routing
+
+
+def _experts_on_buffers(
+    buffers: jax.Array,
+    weights: Weights,
+    activation: Callable[[jax.Array], jax.Array],
+    glu: Callable[[jax.Array, jax.Array], jax.Array] | None,
+    hidden_axis: str | None = None,
+) -> jax.Array:
+    """The experts on their buffers ``(E, G, C, D)``: ``(E, G, C, D)``. ``hidden_axis``: the
+    manual axis the hidden units are split over (the output bias then added on its rank 0 only)."""
+    w_in, w_out, in_bias, out_bias = weights
+    dtype = buffers.dtype
+    if w_in.ndim == 4:
+        h = jnp.einsum("egcd,edxf->egcxf", buffers, w_in.astype(dtype))  # (E, G, C, 2, F)
+        if in_bias is not None:
+            h = h + in_bias.astype(dtype)[:, None, None]
+        gate, up = h[..., 0, :], h[..., 1, :]
+        h = glu(gate, up) if glu is not None else activation(gate) * up  # (E, G, C, F)
+    else:
+        h = jnp.einsum("egcd,edf->egcf", buffers, w_in.astype(dtype))
+        h = activation(h if in_bias is None else h + in_bias.astype(dtype)[:, None, None])  # (E, G, C, F)
+    out = jnp.einsum("egcf,efd->egcd", h, w_out.astype(dtype))  # (E, G, C, D)
+    if out_bias is not None:  # on empty slots too: their combine weight is 0
+        bias = out_bias.astype(dtype)[:, None, None]
+        if hidden_axis:  # the partial sums over the hidden units are added up: the bias once
+            bias = bias * (jax.lax.axis_index(hidden_axis) == 0).astype(dtype)
+        out = out + bias
+    return out
+
+
+def _einsum_local(
+    x: jax.Array,
+    experts: jax.Array,
+    gates: jax.Array,
+    weights: Weights,
+    n_experts: int,
+    split: Any,
+    capacity_factor: float | None,
+    activation: Callable[[jax.Array], jax.Array],
+    glu: Callable[[jax.Array, jax.Array], jax.Array] | None,
+) -> tuple[jax.Array, jax.Array]:
+    """One device's GShard dispatch in the experts' island: its rows' ``x (b, T, D)`` into every
+    expert's slots, one all-to-all to the experts' devices, the experts, one back, the combine.
+    Returns ``(y (b, T, D), dropped ())``, the pairs of its rows that found no slot."""
+    b, t, _ = x.shape
+    k = experts.shape[-1]
+    dispatch, combine, kept = _slot_masks(experts, gates, n_experts, row_capacity(t, k, n_experts, capacity_factor))
+    buffers = jnp.einsum("gsec,gsd->egcd", dispatch.astype(x.dtype), x)  # (E, b, C, D)
+    if split.experts_over > 1:  # (E / n, n b, C, D): each expert device gets its experts' slots of every row
+        buffers = jax.lax.all_to_all(buffers, split.axis, split_axis=0, concat_axis=1, tiled=True)
+    out = _experts_on_buffers(buffers, weights, activation, glu, split.hidden_axis)
+    if split.experts_over > 1:
+        out = jax.lax.all_to_all(out, split.axis, split_axis=1, concat_axis=0, tiled=True)
+    y = jnp.einsum("gsec,egcd->gsd", combine.astype(x.dtype), out)
+    return y, (b * t * k - kept).astype(jnp.float32)
 
 
 def _check_layer(

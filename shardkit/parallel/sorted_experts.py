@@ -178,18 +178,54 @@ def sorted_experts(
     """
     n_experts, hidden = w_in.shape[0], w_in.shape[-1]
     split = _split_of(x, n_experts, hidden, axis, whole_rows=capacity_factor is not None)
-    split = _rows_over_tensor(split, x, experts.shape[-1], n_experts, w_in.size + w_out.size, capacity_factor)
-    weights = (w_in, w_out, in_bias, out_bias)
+    split = _rows_over_tensor(
+        split, x, experts.shape[-1], n_experts, w_in.size + w_out.size, capacity_factor, slots_per_destination
+    )
+    unit = (activation, glu)
+    return experts_island(x, experts, gates, (w_in, w_out, in_bias, out_bias), split, capacity_factor, unit, _local)
+
+
+# One device's part of a mixture: ``local(x, experts, gates, weights, n_experts, split,
+# capacity_factor, activation, glu) -> (y, dropped)``, its tokens in and out.
+LocalExperts = Callable[..., tuple[jax.Array, jax.Array]]
+Weights = tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]
+
+
+def experts_island(
+    x: jax.Array,
+    experts: jax.Array,
+    gates: jax.Array,
+    weights: Weights,
+    split: _Split,
+    capacity_factor: float | None,
+    unit: tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array, jax.Array], jax.Array] | None],
+    local: LocalExperts,
+) -> tuple[jax.Array, jax.Array]:
+    """``local``, each device's part of a mixture, run in a ``shard_map`` laid out as ``split``
+    says: tokens, experts and gates split as ``split.token_spec``, the weights over the expert
+    axis (and ``split.hidden_axis`` on their hidden units), gathered inside over the axes that
+    split their model dimension. Outside a layout (``split.mesh`` None), ``local`` on everything.
+
+    Args:
+      x, experts, gates: ``(B, T, D)``, ``(B, T, k)``, ``(B, T, k)``, as :func:`sorted_experts`.
+      weights: ``(w_in, w_out, in_bias, out_bias)``, as :func:`sorted_experts` takes them.
+      split: from :func:`_split_of` (and :func:`_rows_over_tensor`).
+      capacity_factor: passed to ``local``.
+      unit: ``(activation, glu)``, passed to ``local``.
+      local: one device's part (:data:`LocalExperts`).
+
+    Returns:
+      ``(y (B, T, D), dropped ())``, ``local``'s, summed over the devices.
+    """
+    n_experts = weights[0].shape[0]
 
     def body(x, experts, gates, w_in, w_out, in_bias, out_bias):
-        w_in, w_out, in_bias, out_bias = _weights_here(split, (w_in, 1), (w_out, 2), (in_bias, None), (out_bias, 1))
+        here = _weights_here(split, (w_in, 1), (w_out, 2), (in_bias, None), (out_bias, 1))
         if split.hidden_axis:
             # The tokens become per-tensor-rank here, so the backward pass reduces their gradient
             # over tensor at the tokens' size (not at the routed rows', k x capacity times it).
             x = jax.lax.pcast(x, split.hidden_axis, to="varying")
-        y, dropped = _local(
-            x, experts, gates, (w_in, w_out, in_bias, out_bias), n_experts, split, capacity_factor, activation, glu
-        )
+        y, dropped = local(x, experts, gates, here, n_experts, split, capacity_factor, *unit)
         if split.hidden_axis:
             y = jax.lax.psum(y, split.hidden_axis)
         if split.token_axes:
@@ -198,7 +234,8 @@ def sorted_experts(
 
     if split.mesh is None:
         return body(x, experts, gates, *weights)
-    ex = axis if split.experts_over > 1 else None
+    w_in, _, in_bias, out_bias = weights
+    ex = split.axis if split.experts_over > 1 else None
     h, m = split.hidden_axis, split.embed_axes or None
     w_in_spec = PartitionSpec(ex, m, None, h) if w_in.ndim == 4 else PartitionSpec(ex, m, h)
     bias_spec = None if in_bias is None else PartitionSpec(ex, *([None] * (in_bias.ndim - 2)), h)
@@ -212,20 +249,53 @@ def sorted_experts(
     )(x, experts, gates, *weights)
 
 
+def rows_over_tensor_split(
+    x: jax.Array, top_k: int, w_in: jax.Array, w_out: jax.Array, capacity_factor: float | None, axis: str = "expert"
+) -> _Split | None:
+    """The island's split for GShard's einsum dispatch of ``x (B, T, D)`` where the rules in
+    force make it cheaper to split the tokens' rows over ``tensor`` than the experts' hidden
+    units (:func:`_rows_over_tensor`, priced at the einsum's buffers: every expert's slots of
+    each row); else None (the einsum dispatch as traced keeps the hidden units split)."""
+    n_experts, hidden = w_in.shape[0], w_in.shape[-1]
+    split = _split_of(x, n_experts, hidden, axis, whole_rows=True)
+    rows = _rows_over_tensor(split, x, top_k, n_experts, w_in.size + w_out.size, capacity_factor, einsum_slots)
+    return rows if rows is not split else None
+
+
+def einsum_slots(
+    rows: int, tokens_per_row: int, top_k: int, n_experts: int, devices: int, capacity_factor: float | None
+) -> int:
+    """The rows GShard's einsum dispatch sends each of ``devices`` expert devices from ``rows``
+    rows: every slot of the experts there, empty or not (``T`` a row each, dropless).
+
+    Example:
+      >>> einsum_slots(2, 16, 2, 4, 2, None), einsum_slots(2, 16, 2, 4, 2, 1.0)
+      (64, 32)
+    """
+    return rows * (n_experts // devices) * row_capacity(tokens_per_row, top_k, n_experts, capacity_factor)
+
+
 def _rows_over_tensor(
-    split: _Split, x: jax.Array, top_k: int, n_experts: int, weight_size: int, capacity_factor: float | None
+    split: _Split,
+    x: jax.Array,
+    top_k: int,
+    n_experts: int,
+    weight_size: int,
+    capacity_factor: float | None,
+    slots_of: Callable[[int, int, int, int, int, float | None], int],
 ) -> _Split:
     """``split`` with the tokens' rows (or, without a capacity, their positions) split over
     ``tensor`` in place of the experts' hidden units, where that moves fewer bytes: half the
     dispatch and a gather of the tokens and of an expert group's weights over ``tensor``,
-    against the dispatch whole and a reduction at the tokens' size (both ways)."""
+    against the dispatch whole and a reduction at the tokens' size (both ways). ``slots_of``:
+    the rows a device sends each expert device (:func:`slots_per_destination`'s arguments)."""
     if split.mesh is None or split.hidden_axis is None or split.experts_over == 1:
         return split
     shape = dict(split.mesh.shape)
     t, n = shape[split.hidden_axis], split.experts_over
     local = [x.shape[d] // math.prod(shape[a] for a in entry_axes(split.token_spec[d])) for d in range(2)]
     itemsize = x.dtype.itemsize
-    slots = slots_per_destination(local[0], local[1], top_k, n_experts, n, capacity_factor)
+    slots = slots_of(local[0], local[1], top_k, n_experts, n, capacity_factor)
     dispatch = dispatch_bytes(n * slots * x.shape[-1] * itemsize, n)
     activation = local[0] * local[1] * x.shape[-1] * itemsize
     cheaper = experts_under_tensor(dispatch, activation, weight_size * itemsize / n, t)
@@ -267,7 +337,7 @@ def _local(
     x: jax.Array,
     experts: jax.Array,
     gates: jax.Array,
-    weights: tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None],
+    weights: Weights,
     n_experts: int,
     split: _Split,
     capacity_factor: float | None,
