@@ -199,6 +199,38 @@ def test_a_table_split_by_batch_and_other_axes_on_one_dimension_is_left_to_xla()
         assert "shard_map" not in str(jax.make_jaxpr(once)(table, ids))
 
 
+def test_a_table_split_over_tensor_alone_reaches_its_shard_when_the_tokens_arrive_split_over_tensor():
+    # tensor=2,expert=4 where the experts' rows split over tensor: the tokens' cotangents reach the
+    # lookup split over expert and tensor. XLA then all-reduces the whole table over tensor and
+    # expert; rewritten, the cotangents are gathered over tensor and only each device's
+    # vocabulary block is reduced over expert.
+    mesh = jax.make_mesh((2, 4), ("tensor", "expert"), axis_types=(AxisType.Auto,) * 2)
+    spec, rows = PartitionSpec("tensor", None), ("expert",)
+    table = jax.random.normal(KEY, (64, 32))
+    ids = jax.random.randint(KEY, (16, 8), 0, 64)
+    ct = jax.random.normal(jax.random.PRNGKey(1), (16, 8, 32))
+
+    def grad(table, ids, ct):
+        return jax.grad(lambda t: (jnp.take(t, ids, axis=0) * ct).sum())(table)
+
+    tables = Tables(mesh, rows, lambda table, ids, ct: (spec, None, None), split_beyond_rows=True)
+    once = reduce_input_gradients_once(grad, lambda *args: (None, None, None), tables)
+    shard = lambda s: jax.sharding.NamedSharding(mesh, s)
+    tokens = shard(PartitionSpec(("expert", "tensor")))
+    in_shardings = (shard(spec), tokens, tokens)
+    compiled = {
+        name: jax.jit(fn, in_shardings=in_shardings, out_shardings=shard(spec)).lower(table, ids, ct).compile()
+        for name, fn in (("xla", grad), ("once", once))
+    }
+    np.testing.assert_allclose(compiled["once"](table, ids, ct), grad(table, ids, ct), rtol=1e-5, atol=1e-5)
+    stats = {name: collective_stats(c.as_text(), mesh) for name, c in compiled.items()}
+    reduced = {name: [(c.axes, c.payload_bytes) for c in s if c.kind == "all-reduce"] for name, s in stats.items()}
+    assert any("tensor" in axes and size == table.nbytes for axes, size in reduced["xla"]), reduced["xla"]
+    assert reduced["once"] == [(("expert",), table.nbytes // 2)], reduced["once"]
+    moved = {name: sum(c.moved_bytes for c in s) for name, s in stats.items()}
+    assert moved["once"] < 0.6 * moved["xla"], moved
+
+
 @pytest.mark.parametrize("layout", ["data=2,fsdp=4", "data=2,fsdp=2,tensor=2"])
 def test_rewritten_steps_train_as_one_device_does(layout):
     # Both rewrites in the step (the table's gradient under data=2,fsdp=4; that and the

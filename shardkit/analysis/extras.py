@@ -210,9 +210,14 @@ def beyond_the_bound(
     # An experts' op whose forward traffic over expert is no term's: its backward (which may look
     # like a gradient's reduction) is the same op's, beyond the bound too.
     expert_ops = {_op_key(c) for c in stats if experts and "expert" in c.axes and not term_of(c)}
+    # A dense mixture's tokens gathered over expert forward are its sums reduce-scattered there
+    # backward: the same op's, the expert term's (not a gradient's reduction, which it looks like).
+    gathered = {_op_key(c) for c in stats if c.axes == ("expert",) and c.kind == "all-gather" and term_of(c)}
     tensor_experts = experts and bound.get("bytes_tensor", 0.0) > 0
     for c in stats:
         term = "" if _op_key(c) in expert_ops else term_of(c)
+        if experts and c.axes == ("expert",) and c.kind == "reduce-scatter" and _op_key(c) in gathered:
+            term = "expert"
         if not term and tensor_experts and c.axes == ("tensor",) and c.kind in ("all-gather", "reduce-scatter"):
             # The bound's cheaper use of tensor for small experts: their rows split over tensor,
             # the tokens' outputs and the experts' weights gathered there (their gradients

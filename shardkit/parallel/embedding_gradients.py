@@ -52,6 +52,12 @@ class Tables:
     mesh: Mesh
     row_axes: tuple[str, ...]
     specs_of: Callable[..., Any]
+    # The tokens' cotangents may reach the lookup split over more than the row axes: under expert
+    # and tensor axes the experts' rows split over tensor, and XLA carries that split back to the
+    # embedding, where it then all-reduces the whole table over tensor and over the rows. A table
+    # split by other axes only (its vocabulary over tensor) is then rewritten too: its rows'
+    # cotangents gathered whole, each device's block kept, the block reduced over the rows.
+    split_beyond_rows: bool = False
 
     def spec_for(self, eqn: JaxprEqn, zeros: JaxprEqn | None, spec: PartitionSpec) -> PartitionSpec | None:
         """``spec`` where ``eqn`` is the gradient of a lookup in a table sharded as ``spec`` that
@@ -67,7 +73,9 @@ class Tables:
         # Where every row axis splits the table XLA moves the tokens' rows (all-to-all), which
         # is cheaper than the table while the tokens are fewer than its rows; where none does, the
         # all-reduce is the bound. One dimension split by row and other axes is not handled.
-        if not splitting or splitting == rows or any(e & rows and e - rows for e in entries):
+        if not splitting and not (self.split_beyond_rows and any(entries)):
+            return None
+        if splitting == rows or any(e & rows and e - rows for e in entries):
             return None
         numbers = eqn.params["dimension_numbers"]
         _, indices, updates = eqn.invars

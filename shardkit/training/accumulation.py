@@ -93,7 +93,10 @@ def reduced_as_megatron(grads_fn: GradsFn, plan: ShardingPlan, tables: bool = Tr
     (their sharding is in the types, which the rewrite does not follow)."""
     size = dict(plan.mesh.shape).get("tensor", 1)
     rows = _row_axes(plan)
-    tables_apply = tables and len(rows) > 1
+    # Under expert and tensor axes the experts' rows may split over tensor (the placement's
+    # cheaper use of it), a split XLA carries back to the embedding's gradient.
+    beyond_rows = size > 1 and plan.layout.size("expert") > 1
+    tables_apply = tables and (len(rows) > 1 or beyond_rows)
     if plan.layout.explicit or (size == 1 and not tables_apply):
         return grads_fn
     specs = plan.param_specs
@@ -105,7 +108,7 @@ def reduced_as_megatron(grads_fn: GradsFn, plan: ShardingPlan, tables: bool = Tr
     )
     in_params = lambda tree: lambda params, *rest: (tree, *([None] * len(rest)))
     return reduce_input_gradients_once(
-        grads_fn, in_params(splits), Tables(plan.mesh, rows, in_params(specs)) if tables_apply else None
+        grads_fn, in_params(splits), Tables(plan.mesh, rows, in_params(specs), beyond_rows) if tables_apply else None
     )
 
 
