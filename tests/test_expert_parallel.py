@@ -14,7 +14,7 @@ import optax
 import pytest
 from flax import nnx
 from test_zoo import STEPS, abstract_batch, batches, one_device, quiet_trainer, report
-from zoo import DIM, VOCAB, ZOO, LlamaStyleLM
+from zoo import DIM, MLP, VOCAB, ZOO, LlamaStyleLM
 
 import shardkit as sk
 from shardkit.analysis import hlo, mixtures
@@ -197,6 +197,18 @@ def test_under_tensor_and_expert_axes_the_embeddings_gradient_is_reduced_once_an
     named = sum(e.moved_bytes for e in r.beyond())
     assert 0.9 * excess <= named <= 1.1 * excess, r.table()
     assert r.ratios["bytes"] <= 1.15, r.table()
+
+
+def test_a_shared_expert_beside_experts_split_by_rows_over_tensor_keeps_its_megatron_split():
+    # tensor=2,expert=4: the routed experts' rows split over tensor, and XLA carried that split
+    # into the shared expert beside them, gathering its three weights over tensor forward (and
+    # gate's again backward): 1.39x. Its weights outweigh a row group's tokens, so its outputs
+    # stay split over tensor: the tokens are gathered, the weights never are.
+    r = report("shared_expert_moe", "tensor=2,expert=4")
+    weight = DIM * MLP * 4
+    gathered = [c for c in r.collectives if "/shared/" in c.op and c.kind == "all-gather" and c.axes == ("tensor",)]
+    assert all(c.payload_bytes < weight for c in gathered), r.table()
+    assert r.ratios["bytes"] <= 1.10, r.table()
 
 
 def test_under_tensor_the_bound_takes_the_cheaper_use_of_tensor_for_the_experts():

@@ -21,7 +21,11 @@ and of its output to the ``expert`` axis, every other dimension left to the part
   and indices;
 - under ``tensor``, an expert matmul's rows are split over ``tensor`` and its weight gathered
   there, where that moves fewer bytes (from the traced sizes) than reducing the routed buffers
-  over ``tensor`` as splitting the experts' hidden units does.
+  over ``tensor`` as splitting the experts' hidden units does;
+- that split of the rows reaches the layers around the experts, whose weights XLA then gathers
+  over ``tensor`` too. A matmul whose weight is split over ``tensor`` on its output features
+  (Megatron's column-parallel layers) and larger than a row group's tokens keeps its output
+  split there (its tokens gathered, fewer bytes than its weight).
 
 Two styles no constraint can place are rewritten, where the traced program proves the rewrite
 computes the same values: a sort of the whole batch's pairs with grouped matmuls runs as routed
@@ -79,6 +83,7 @@ def place_experts(
     axis: str = "expert",
     grouped_specs: Mapping[int, PartitionSpec] | None = None,
     token_axes: Sequence[str] | None = None,
+    tensor_dims: Mapping[int, int] | None = None,
 ) -> Callable[..., Any]:
     """``fn`` with the expert dimension of each expert matmul constrained to mesh axis ``axis``.
 
@@ -94,6 +99,8 @@ def place_experts(
         output over a row axis that splits the weight (ZeRO-3 turned into tensor parallelism).
       token_axes: the mesh axes that split the tokens' rows (default: ``axis`` alone), over
         which a sort-and-grouped-matmul section runs (:mod:`shardkit.parallel.sorted_sections`).
+      tensor_dims: ``{leaf index: dimension}`` of the parameters split over ``tensor``: which
+        dimension it splits (the Megatron layers kept so where the experts' rows split there).
 
     Returns:
       A function of the same arguments and results.
@@ -106,8 +113,9 @@ def place_experts(
         closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(*shapes)
         dims = [expert_dims.get(i) if i < n_params else None for i in range(len(flat))]
         specs = [(grouped_specs or {}).get(i) if i < n_params else None for i in range(len(flat))]
+        tensor = [(tensor_dims or {}).get(i) if i < n_params else None for i in range(len(flat))]
         walk = _Placement(mesh, axis, tuple(token_axes) if token_axes is not None else (axis,))
-        outs = walk.evaluate(closed.jaxpr, closed.consts, flat, dims, specs)
+        outs = walk.evaluate(closed.jaxpr, closed.consts, flat, dims, specs, tensor)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return placed
@@ -123,6 +131,9 @@ class _Placement:
         # and the expert weights as a grouped matmul reads them (through casts) with that split.
         self.routed: dict[Any, int] = {}
         self.grouped: dict[Any, PartitionSpec] = {}
+        # Of the program being evaluated: the dimension ``tensor`` splits of each view of a
+        # parameter split there.
+        self.tensor: dict[Any, int] = {}
 
     def constrain(self, x: jax.Array, dim: int, axis: str | None = "") -> jax.Array:
         """``x`` with dimension ``dim`` split over the experts' axis (or over ``axis``; None: whole)."""
@@ -135,16 +146,19 @@ class _Placement:
         args: Sequence[Any],
         dims: Sequence[int | None],
         specs: Sequence[PartitionSpec | None],
+        tensor: Sequence[int | None] | None = None,
     ) -> list:
         """``jaxpr`` evaluated with the constraints placed; an inner program's evaluation leaves
-        the outer one's state as it found it."""
-        outer = self.routed, self.grouped
+        the outer one's state as it found it. ``tensor``: the dimension of each input that
+        ``tensor`` splits (None: none)."""
+        outer = self.routed, self.grouped, self.tensor
         self.routed = {}
         self.grouped = {v: spec for v, spec in zip(jaxpr.invars, specs, strict=True) if spec is not None}
+        self.tensor = {v: d for v, d in zip(jaxpr.invars, tensor or [None] * len(args), strict=True) if d is not None}
         try:
             return self._evaluate(jaxpr, consts, args, dims)
         finally:
-            self.routed, self.grouped = outer
+            self.routed, self.grouped, self.tensor = outer
 
     def _evaluate(self, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], dims: Sequence[int | None]) -> list:
         env: dict[Any, Any] = {}
@@ -172,6 +186,7 @@ class _Placement:
             for v, x in zip(eqn.outvars, outs, strict=True):
                 env[v] = x
             _follow(eqn, where)
+            _follow(eqn, self.tensor)
             _follow(eqn, self.routed, elementwise=True)
             cast_of = _get(self.grouped, eqn.invars[0]) if eqn.primitive.name in _CASTS else None
             if cast_of is not None:
@@ -239,6 +254,9 @@ class _Placement:
             args = [self._gathered(x, v) if i < 2 else x for i, (x, v) in enumerate(zip(args, eqn.invars, strict=True))]
         if name == "dot_general" and (dims[0] is not None) != (dims[1] is not None):
             return [self._dot(eqn, args, dims)]
+        if name == "dot_general" and (column := self._column_parallel(eqn, args)) is not None:
+            out = eqn.primitive.bind(*args, **params)
+            return [self.constrain(out, column, "tensor")]
         if name == "dot_general":
             # Routed experts' outputs leave the experts (a combine): back to the tokens' split
             # first, so the backward pass finds them there too.
@@ -251,10 +269,12 @@ class _Placement:
             return [values, indices.astype(eqn.outvars[1].aval.dtype)]
         if name in _INNER or name == "scan":
             specs = [_get(self.grouped, v) for v in eqn.invars]
+            tensor = [_get(self.tensor, v) for v in eqn.invars]
             inner_dims = _scan_dims(eqn, dims) if name == "scan" else dims
             inner_specs = _scan_dims(eqn, specs) if name == "scan" else specs
-            if any(d is not None for d in [*inner_dims, *inner_specs]) or name == "scan":
-                rewritten = self._inner(eqn, params, inner_dims, inner_specs)
+            inner_tensor = _scan_dims(eqn, tensor) if name == "scan" else tensor
+            if any(d is not None for d in [*inner_dims, *inner_specs, *inner_tensor]) or name == "scan":
+                rewritten = self._inner(eqn, params, inner_dims, inner_specs, inner_tensor)
                 if rewritten is not None:
                     return bind_retraced(eqn, rewritten, args)
         ans = eqn.primitive.bind(*args, **params)
@@ -290,6 +310,29 @@ class _Placement:
         operands = [args[0], tokens] if weight == 0 else [tokens, args[1]]
         out = eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(eqn.params))
         return out if out_dim is None else self.constrain(out, out_dim)
+
+    def _column_parallel(self, eqn: Any, args: list[Any]) -> int | None:
+        """The output dimension to keep split over ``tensor`` where ``eqn`` is a column-parallel
+        matmul (a weight split over ``tensor`` on a free dimension, the other operand no weight's
+        view) whose weight outweighs a row group's tokens; else None.
+
+        Where the experts' rows split over ``tensor`` (:meth:`_rows_over_tensor`), XLA carries
+        that split through the layers around them and meets their Megatron matmuls by gathering
+        the weights over ``tensor`` (and again in the backward pass). Gathering the tokens instead,
+        as Megatron's sequence parallelism does, moves the tokens' bytes in place of the
+        weight's: the cheaper is kept (the attention of small heads keeps the weights gathered)."""
+        if dict(self.mesh.shape).get("tensor", 1) == 1:
+            return None
+        split = [_get(self.tensor, v) for v in eqn.invars[:2]]
+        (contract, batch) = eqn.params["dimension_numbers"]
+        for w in (0, 1):
+            d, tokens = split[w], args[1 - w]
+            if d is None or split[1 - w] is not None or d in contract[w] or d in batch[w]:
+                continue
+            row_devices = math.prod(dict(self.mesh.shape).get(a, 1) for a in self.token_axes)
+            if args[w].size * args[w].dtype.itemsize >= tokens.size * tokens.dtype.itemsize / row_devices:
+                return _free_out_dim(eqn, w, d)
+        return None
 
     def _rows_over_tensor(self, eqn: Any, args: list[Any], weight: int) -> tuple[int, int] | None:
         """``(token dimension, output dimension)`` to split over ``tensor`` in place of the
@@ -341,13 +384,18 @@ class _Placement:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
 
     def _inner(
-        self, eqn: Any, params: dict[str, Any], dims: list[int | None], specs: list[PartitionSpec | None]
+        self,
+        eqn: Any,
+        params: dict[str, Any],
+        dims: list[int | None],
+        specs: list[PartitionSpec | None],
+        tensor: list[int | None],
     ) -> dict[str, Any] | None:
         """The equation's parameters with its inner program re-traced with constraints inside,
         or None where it places none."""
         before = self.placed
         rewritten = retraced_params(
-            eqn, params, lambda jaxpr, consts, xs: self.evaluate(jaxpr, consts, xs, dims, specs)
+            eqn, params, lambda jaxpr, consts, xs: self.evaluate(jaxpr, consts, xs, dims, specs, tensor)
         )
         return None if self.placed == before else rewritten
 

@@ -468,6 +468,11 @@ def experts_placed(model: Model, plan: ShardingPlan) -> Model:
     specs = jax.tree.leaves(plan.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     rows = [a for a in dict(plan.rules.rules).get("batch", ()) if a != "expert"]
     dims, grouped = {}, {}
+    tensor_dims = {
+        i: next(k for k, e in enumerate(spec) if "tensor" in entry_axes(e))
+        for i, spec in enumerate(specs)
+        if any("tensor" in entry_axes(e) for e in spec)
+    }
     for i, d in expert_dims(parameter_leaves(model, plan.abstract_params)).items():
         entries = tuple(specs[i])
         if d < len(entries) and "expert" in entry_axes(entries[d]) and plan.layout.size("expert") > 1:
@@ -478,6 +483,8 @@ def experts_placed(model: Model, plan: ShardingPlan) -> Model:
     if not dims and not grouped:
         return model
     tokens = dict(plan.rules.rules).get("batch", ())
-    place = lambda fn: place_experts(fn, dims, plan.mesh, grouped_specs=grouped, token_axes=tokens)
+    place = lambda fn: place_experts(
+        fn, dims, plan.mesh, grouped_specs=grouped, token_axes=tokens, tensor_dims=tensor_dims if dims else None
+    )
     state_apply = None if model.state_apply is None else place(model.state_apply)
     return dataclasses.replace(model, apply=place(model.apply), state_apply=state_apply)
