@@ -2,10 +2,12 @@
 
 GShard-style dispatch: each sequence is a routing group; a one-hot dispatch tensor puts every
 kept token into a slot of its experts' buffers, ``einsum`` gathers the buffers, the experts run,
-and a weighted combine brings the outputs back. The expert buffers are constrained to be split
-over the ``expert`` mesh axis while tokens are split over the batch axes (which include
-``expert``), so XLA moves tokens to their experts and back with all-to-alls. Routing depends on
-each sequence alone, so every layout routes (and drops) exactly the same tokens.
+and a weighted combine brings the outputs back. Each device dispatches its own rows in the
+experts' island (:func:`shardkit.parallel.sorted_experts.experts_island`, shared with the
+sorted dispatch): one all-to-all over ``expert`` takes the buffers to their experts' devices
+and one brings them back, and under ``tensor`` the island chooses the cheaper use of it.
+Routing depends on each sequence alone, so every layout routes (and drops) exactly the same
+tokens.
 """
 
 from __future__ import annotations
@@ -17,16 +19,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec
 
 from shardkit.core.errors import InputError, ModelError
-from shardkit.core.partition import current_rules, logical
-from shardkit.core.rules import resolve
+from shardkit.core.partition import logical
 from shardkit.parallel.sorted_experts import (
     Weights,
+    einsum_split,
     experts_island,
     row_capacity,
-    rows_over_tensor_split,
     sorted_experts,
 )
 
@@ -159,6 +159,15 @@ def _slot_masks(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dispatch, combine (G, S, E, C), kept ())``: the one-hot slots of a choice
     ``experts (G, S, k)`` weighted by ``gates`` (for the combine), and the pairs that found one."""
+    one_slot, kept = _choice_slots(experts, n_experts, capacity)
+    dispatch = one_slot.sum(axis=2)  # (G, S, E, C)
+    combine = (one_slot * gates[..., None, None]).sum(axis=2)  # (G, S, E, C)
+    return dispatch, combine, kept
+
+
+def _choice_slots(experts: jax.Array, n_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """``(one_slot (G, S, k, E, C), kept ())``: each (token, choice) pair's one-hot slot among
+    its expert's ``capacity`` (all zeros where it found none), and how many found one."""
     g, s, top_k = experts.shape
     choice = jax.nn.one_hot(experts, n_experts, dtype=jnp.int32)  # (G, S, k, E)
     # Slots are filled by all first choices (in token order), then all second choices, ...
@@ -166,9 +175,7 @@ def _slot_masks(
     slot = (jnp.cumsum(order, axis=1) - 1).reshape(g, top_k, s, n_experts).transpose(0, 2, 1, 3)  # (G, S, k, E)
     kept = choice * (slot < capacity)
     one_slot = jax.nn.one_hot(jnp.where(kept > 0, slot, -1), capacity, dtype=jnp.float32)  # (G, S, k, E, C)
-    dispatch = one_slot.sum(axis=2)  # (G, S, E, C)
-    combine = (one_slot * gates[..., None, None]).sum(axis=2)  # (G, S, E, C)
-    return dispatch, combine, kept.sum()
+    return one_slot, kept.sum()
 
 
 def choose_experts(
@@ -278,31 +285,6 @@ def balance_bias(bias: jax.Array, tokens_per_expert: jax.Array, rate: float = 1e
     return (bias - step).astype(bias.dtype)
 
 
-def exchange(buffers: jax.Array, to_experts: bool, axis: str = "expert") -> jax.Array:
-    """Move expert buffers (E, G, C, D) between token-sharded and expert-sharded with one
-    all-to-all over ``axis``: each device sends every expert's slots of its own tokens to the
-    device that holds that expert (and the reverse for ``to_experts=False``).
-
-    Outside a sharding context, or when the mesh has no ``axis``, the buffers are returned as they are.
-    """
-    context = current_rules()
-    if context is None or dict(context[0].shape).get(axis, 1) == 1:
-        return buffers
-    mesh, rules = context
-    mesh_shape = dict(mesh.shape)
-    tokens = resolve((None, "batch", None, None), buffers.shape, rules, mesh_shape, what="expert buffers")
-    experts = resolve(("experts", "batch", None, None), buffers.shape, rules, mesh_shape, what="expert buffers")
-    token_spec = PartitionSpec(*(tuple(tokens) + (None,) * (4 - len(tokens))))
-    expert_spec = PartitionSpec(*(tuple(experts) + (None,) * (4 - len(experts))))
-    if to_experts:
-        move = lambda b: jax.lax.all_to_all(b, axis, split_axis=0, concat_axis=1, tiled=True)
-        in_spec, out_spec = token_spec, expert_spec
-    else:
-        move = lambda b: jax.lax.all_to_all(b, axis, split_axis=1, concat_axis=0, tiled=True)
-        in_spec, out_spec = expert_spec, token_spec
-    return jax.shard_map(move, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=False)(buffers)
-
-
 def moe_layer(
     x: jax.Array,
     router: jax.Array,
@@ -327,10 +309,12 @@ def moe_layer(
     """A mixture of experts as one call: routing, dispatch, the experts, combine, under any layout.
 
     ``dispatch="einsum"`` (GShard): each row is a routing group (so every layout routes and drops
-    the same tokens). The experts run on ``(E, B, C, D)`` buffers of their routed tokens: under
-    an ``expert`` axis the buffers go to their experts' devices and back with one all-to-all each
-    way (the bound's four a layer with the backward pass); without one, XLA splits the experts
-    as the rules split them. Dropless, every expert holds every token of its row.
+    the same tokens). The experts run on ``(E, B, C, D)`` buffers of their routed tokens, in the
+    experts' island (:func:`shardkit.parallel.sorted_experts.experts_island`): under an
+    ``expert`` axis the buffers go to their experts' devices and back with one all-to-all each
+    way (the bound's four a layer with the backward pass); under ``tensor`` the experts' hidden
+    units split there (one reduction at the tokens' size) or, where that moves less, each tensor
+    rank dispatches its own rows. Dropless, every expert holds every token of its row.
 
     ``dispatch="sorted"``: each device sorts its (token, choice) pairs by expert and runs grouped
     matmuls on ``top_k`` rows a token (:mod:`shardkit.parallel.sorted_experts`), the memory of
@@ -398,22 +382,11 @@ def moe_layer(
     with jax.named_scope("router"):
         routing = _slotted(experts, gates, probs, row_capacity(x.shape[1], top_k, router.shape[-1], factor))
     assert routing.dispatch is not None and routing.combine is not None
-    if (split := rows_over_tensor_split(x, top_k, w_in, w_out, factor)) is not None:
-        # The tokens' rows split over tensor move less than the experts' hidden units split there:
-        # the same dispatch on each tensor rank's rows, in the experts' island.
-        with jax.named_scope("experts"):
-            weights = (w_in, w_out, in_bias, out_bias)
-            y, _ = experts_island(x, experts, gates, weights, split, factor, (activation, glu), _einsum_local)
-        return y.astype(x.dtype), routing
-    with jax.named_scope("dispatch"):
-        buffers = jnp.einsum("gsec,gsd->egcd", routing.dispatch.astype(x.dtype), x)  # (E, B, C, D), local tokens
-        buffers = exchange(buffers, to_experts=True)
     with jax.named_scope("experts"):
-        out = _experts_on_buffers(buffers, (w_in, w_out, in_bias, out_bias), activation, glu)
-        out = exchange(out, to_experts=False)
-    with jax.named_scope("combine"):
-        y = jnp.einsum("gsec,egcd->gsd", routing.combine.astype(x.dtype), out)  # (B, T, D)
-    return y, routing
+        split = einsum_split(x, top_k, w_in, w_out, factor)
+        weights = (w_in, w_out, in_bias, out_bias)
+        y, _ = experts_island(x, experts, gates, weights, split, factor, (activation, glu), _einsum_local)
+    return y.astype(x.dtype), routing
 
 
 def _experts_on_buffers(
@@ -461,14 +434,18 @@ def _einsum_local(
     Returns ``(y (b, T, D), dropped ())``, the pairs of its rows that found no slot."""
     b, t, _ = x.shape
     k = experts.shape[-1]
-    dispatch, combine, kept = _slot_masks(experts, gates, n_experts, row_capacity(t, k, n_experts, capacity_factor))
-    buffers = jnp.einsum("gsec,gsd->egcd", dispatch.astype(x.dtype), x)  # (E, b, C, D)
+    one_slot, kept = _choice_slots(experts, n_experts, row_capacity(t, k, n_experts, capacity_factor))
+    one_slot = one_slot.astype(x.dtype)  # (b, T, k, E, C)
+    buffers = jnp.einsum("gskec,gsd->egcd", one_slot, x)  # (E, b, C, D)
     if split.experts_over > 1:  # (E / n, n b, C, D): each expert device gets its experts' slots of every row
         buffers = jax.lax.all_to_all(buffers, split.axis, split_axis=0, concat_axis=1, tiled=True)
     out = _experts_on_buffers(buffers, weights, activation, glu, split.hidden_axis)
     if split.experts_over > 1:
         out = jax.lax.all_to_all(out, split.axis, split_axis=1, concat_axis=0, tiled=True)
-    y = jnp.einsum("gsec,egcd->gsd", combine.astype(x.dtype), out)
+    # Each choice's output, then weighed: under the hidden units' split the gates' gradient is
+    # then reduced over tensor at (b, T, k), not at the (b, T, E, C) of a combine tensor.
+    chosen = jnp.einsum("gskec,egcd->gskd", one_slot, out)
+    y = jnp.einsum("gskd,gsk->gsd", chosen, gates.astype(x.dtype))
     return y, (b * t * k - kept).astype(jnp.float32)
 
 

@@ -249,17 +249,16 @@ def experts_island(
     )(x, experts, gates, *weights)
 
 
-def rows_over_tensor_split(
+def einsum_split(
     x: jax.Array, top_k: int, w_in: jax.Array, w_out: jax.Array, capacity_factor: float | None, axis: str = "expert"
-) -> _Split | None:
-    """The island's split for GShard's einsum dispatch of ``x (B, T, D)`` where the rules in
-    force make it cheaper to split the tokens' rows over ``tensor`` than the experts' hidden
-    units (:func:`_rows_over_tensor`, priced at the einsum's buffers: every expert's slots of
-    each row); else None (the einsum dispatch as traced keeps the hidden units split)."""
+) -> _Split:
+    """The island's split for GShard's einsum dispatch of ``x (B, T, D)`` under the rules in
+    force: each row whole on a device (a capacity ranks a row's pairs), and under ``tensor``
+    the experts' hidden units split there or, where that moves less, the tokens' rows
+    (:func:`_rows_over_tensor`, priced at the einsum's buffers: every expert's slots of each row)."""
     n_experts, hidden = w_in.shape[0], w_in.shape[-1]
     split = _split_of(x, n_experts, hidden, axis, whole_rows=True)
-    rows = _rows_over_tensor(split, x, top_k, n_experts, w_in.size + w_out.size, capacity_factor, einsum_slots)
-    return rows if rows is not split else None
+    return _rows_over_tensor(split, x, top_k, n_experts, w_in.size + w_out.size, capacity_factor, einsum_slots)
 
 
 def einsum_slots(
