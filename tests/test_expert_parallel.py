@@ -105,6 +105,45 @@ def test_the_traced_program_shows_each_style_of_mixture(name, style, slots_per_t
         assert layer.slots / tokens == pytest.approx(slots_per_token)
 
 
+def test_a_mixtures_later_projection_in_a_module_of_its_own_moves_no_tokens_of_its_own():
+    # Flax's nn.vmap over an expert MLP names each projection apart (experts/wi, experts/wo); the
+    # second reads the first's hidden units on the same devices. The bound counts one dense
+    # mixture at the model dimension, not a second, routed one at the hidden units' (which made
+    # the bound 5x too large: its expert term 1.97 MB where the mixture needs 0.39 MB).
+    import flax.linen as nn
+
+    class Expert(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            named = lambda *names: nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
+            h = nn.silu(nn.Dense(4 * DIM, use_bias=False, kernel_init=named("embed", "mlp"), name="wi")(x))
+            return nn.Dense(DIM, use_bias=False, kernel_init=named("mlp", "embed"), name="wo")(h)
+
+    class Mixture(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            gates = jax.nn.softmax(nn.Dense(4, use_bias=False, name="router")(x))  # (B, T, E)
+            experts = nn.vmap(
+                Expert,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=None,
+                out_axes=2,
+                axis_size=4,
+                metadata_params={nn.PARTITION_NAME: "expert"},
+            )(name="experts")
+            return jnp.einsum("bted,bte->btd", experts(x), gates)
+
+    x = jnp.ones((2, 8, DIM))
+    params = Mixture().init(jax.random.key(0), x)
+    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda v: isinstance(v, nn.Partitioned))
+    path_of = lambda path: "/".join(str(k.key) for k in path[1:])  # experts/wi/kernel, as a model's leaves
+    leaves = [(path_of(path), np.shape(nn.unbox(v)), getattr(v, "names", None)) for path, v in flat]
+    closed = jax.make_jaxpr(lambda p, x: Mixture().apply(p, x))(nn.unbox(params), x)
+    layers = mixtures.mixture_layers(closed, leaves)
+    assert [(layer.style, layer.experts, layer.dim, layer.slots) for layer in layers] == [("dense", 4, DIM, 4 * 16)]
+
+
 def test_a_placed_forward_pass_computes_what_was_traced():
     # einsum dispatch, a dense mixture and top_k: the same values, only shardings change.
     mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)

@@ -147,10 +147,18 @@ def mixture_layers(
     return list(by_module.values())
 
 
-def _matmuls(jaxpr: Any, origin: dict[Any, int], count: int) -> Iterator[tuple[int, float, str, int, int]]:
+def _matmuls(
+    jaxpr: Any, origin: dict[Any, int], count: int, hidden: frozenset = frozenset()
+) -> Iterator[tuple[int, float, str, int, int]]:
     """``(leaf, FLOPs, "dense"|"routed", times run, features read)`` of each matmul reading an
-    expert weight, in program order, through views and into called programs."""
-    origin = dict(origin)
+    expert weight, in program order, through views and into called programs.
+
+    A matmul whose tokens are the hidden units of an earlier one (its output, through views and
+    elementwise operations: the activation, a gated unit's product) is that mixture's later
+    projection, on the same devices: it moves no tokens of its own and is not yielded. Its
+    module need not be the first's (Flax's ``nn.vmap`` over an MLP names each projection apart).
+    """
+    origin, hidden = dict(origin), set(hidden)
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         sources = [origin.get(v) if not _is_literal(v) else None for v in eqn.invars]
@@ -160,13 +168,31 @@ def _matmuls(jaxpr: Any, origin: dict[Any, int], count: int) -> Iterator[tuple[i
         if name in _MATMULS:
             for position, leaf in enumerate(sources[:2]):
                 if leaf is not None and sources[1 - position] is None:
-                    yield leaf, _flops(eqn), _kind(eqn, position), count, _features(eqn, 1 - position)
+                    if eqn.invars[1 - position] not in hidden:
+                        yield leaf, _flops(eqn), _kind(eqn, position), count, _features(eqn, 1 - position)
+                        hidden.add(eqn.outvars[0])
                     break
             continue
+        if _carries_hidden(eqn, hidden):
+            hidden.update(eqn.outvars)
         for inner, mapping, times in _called_programs(eqn):
             inner_origin = {inner.invars[j]: leaf for i, j in mapping if (leaf := sources[i]) is not None}
+            inner_hidden = frozenset(
+                inner.invars[j] for i, j in mapping if not _is_literal(eqn.invars[i]) and eqn.invars[i] in hidden
+            )
             if inner_origin:
-                yield from _matmuls(inner, inner_origin, count * times)
+                yield from _matmuls(inner, inner_origin, count * times, inner_hidden)
+
+
+def _carries_hidden(eqn: Any, hidden: set) -> bool:
+    """Whether ``eqn`` hands an expert matmul's hidden units on: a view of them, or an
+    elementwise operation on them whose one output has their shape."""
+    read = [v for v in eqn.invars if not _is_literal(v) and v in hidden]
+    if not read or len(eqn.outvars) != 1:
+        return False
+    if eqn.primitive.name in _VIEWS:
+        return True
+    return all(getattr(v.aval, "shape", None) == eqn.outvars[0].aval.shape for v in read)
 
 
 def _is_literal(v: Any) -> bool:

@@ -19,6 +19,10 @@ dispatcher, DeepSpeed-MoE), in a ``shard_map`` over the mesh:
    each tensor rank then dispatches ``1/t`` of the tokens;
 3. one all-to-all back, and each token sums its experts' outputs weighted by its gates.
 
+The island (:func:`experts_island`: the ``shard_map``, the experts' weights as each device
+computes with them, the choice of how to use ``tensor``) also runs GShard's einsum dispatch
+(:func:`shardkit.parallel.experts.moe_layer`), with that dispatch's own local part.
+
 A capacity drops the pairs GShard's einsum dispatch drops (each expert has ``factor x T x
 top_k / E`` slots in each row, first choices first), so both dispatches compute the same thing
 on every layout; dropless, nothing is dropped. ``C`` is static (XLA needs static shapes;
