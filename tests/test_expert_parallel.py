@@ -144,6 +144,21 @@ def test_a_mixtures_later_projection_in_a_module_of_its_own_moves_no_tokens_of_i
     assert [(layer.style, layer.experts, layer.dim, layer.slots) for layer in layers] == [("dense", 4, DIM, 4 * 16)]
 
 
+def test_a_mixtures_hidden_units_end_where_they_join_the_residual_stream():
+    # Experts of one projection each (D -> D), looped and summed into the residual: the next
+    # layer's matmul reads the residual stream, not hidden units, so it is a mixture of its own.
+    def forward(params, x):
+        for w in params:
+            gates = jax.nn.softmax(x[..., :4])  # (B, T, E)
+            x = x + sum(gates[..., e : e + 1] * jnp.tanh(x @ w[e]) for e in range(4))
+        return x
+
+    params = [jnp.ones((4, DIM, DIM)) / DIM] * 2
+    leaves = [(f"layers/{i}/w", (4, DIM, DIM), ("expert", "embed", "mlp")) for i in range(2)]
+    layers = mixtures.mixture_layers(jax.make_jaxpr(forward)(params, jnp.ones((2, 8, DIM))), leaves)
+    assert [(layer.path, layer.dim) for layer in layers] == [("layers/0", DIM), ("layers/1", DIM)]
+
+
 def test_a_placed_forward_pass_computes_what_was_traced():
     # einsum dispatch, a dense mixture and top_k: the same values, only shardings change.
     mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)

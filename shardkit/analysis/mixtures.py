@@ -158,10 +158,12 @@ def _matmuls(
     projection, on the same devices: it moves no tokens of its own and is not yielded. Its
     module need not be the first's (Flax's ``nn.vmap`` over an MLP names each projection apart).
     """
-    origin, hidden = dict(origin), set(hidden)
+    origin, hidden, widened = dict(origin), set(hidden), set()
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         sources = [origin.get(v) if not _is_literal(v) else None for v in eqn.invars]
+        if name == "broadcast_in_dim" and len(eqn.invars[0].aval.shape) < len(eqn.outvars[0].aval.shape):
+            widened.add(eqn.outvars[0])
         if name in _VIEWS and sources and sources[0] is not None:
             origin[eqn.outvars[0]] = sources[0]
             continue
@@ -173,7 +175,7 @@ def _matmuls(
                         hidden.add(eqn.outvars[0])
                     break
             continue
-        if _carries_hidden(eqn, hidden):
+        if _carries_hidden(eqn, hidden, widened):
             hidden.update(eqn.outvars)
         for inner, mapping, times in _called_programs(eqn):
             inner_origin = {inner.invars[j]: leaf for i, j in mapping if (leaf := sources[i]) is not None}
@@ -184,15 +186,19 @@ def _matmuls(
                 yield from _matmuls(inner, inner_origin, count * times, inner_hidden)
 
 
-def _carries_hidden(eqn: Any, hidden: set) -> bool:
+def _carries_hidden(eqn: Any, hidden: set, widened: set) -> bool:
     """Whether ``eqn`` hands an expert matmul's hidden units on: a view of them, or an
-    elementwise operation on them whose one output has their shape."""
+    elementwise operation whose one output has their shape and whose other operands of that
+    shape are hidden units too or ``widened``: broadcasts of smaller arrays (a bias). A sum
+    with anything else (the residual stream) ends them, so the next layer's mixture is its own."""
     read = [v for v in eqn.invars if not _is_literal(v) and v in hidden]
     if not read or len(eqn.outvars) != 1:
         return False
     if eqn.primitive.name in _VIEWS:
         return True
-    return all(getattr(v.aval, "shape", None) == eqn.outvars[0].aval.shape for v in read)
+    shape = eqn.outvars[0].aval.shape
+    others = [v for v in eqn.invars if not _is_literal(v) and v not in hidden and v.aval.shape == shape]
+    return all(v.aval.shape == shape for v in read) and all(v in widened for v in others)
 
 
 def _is_literal(v: Any) -> bool:
