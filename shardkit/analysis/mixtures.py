@@ -158,7 +158,7 @@ def _matmuls(
     projection, on the same devices: it moves no tokens of its own and is not yielded. Its
     module need not be the first's (Flax's ``nn.vmap`` over an MLP names each projection apart).
     """
-    origin, hidden, widened = dict(origin), set(hidden), set()
+    origin, carried, widened = dict(origin), set(hidden), set()
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         sources = [origin.get(v) if not _is_literal(v) else None for v in eqn.invars]
@@ -170,17 +170,17 @@ def _matmuls(
         if name in _MATMULS:
             for position, leaf in enumerate(sources[:2]):
                 if leaf is not None and sources[1 - position] is None:
-                    if eqn.invars[1 - position] not in hidden:
+                    if eqn.invars[1 - position] not in carried:
                         yield leaf, _flops(eqn), _kind(eqn, position), count, _features(eqn, 1 - position)
-                        hidden.add(eqn.outvars[0])
+                        carried.add(eqn.outvars[0])
                     break
             continue
-        if _carries_hidden(eqn, hidden, widened):
-            hidden.update(eqn.outvars)
+        if _carries_hidden(eqn, carried, widened):
+            carried.update(eqn.outvars)
         for inner, mapping, times in _called_programs(eqn):
             inner_origin = {inner.invars[j]: leaf for i, j in mapping if (leaf := sources[i]) is not None}
             inner_hidden = frozenset(
-                inner.invars[j] for i, j in mapping if not _is_literal(eqn.invars[i]) and eqn.invars[i] in hidden
+                inner.invars[j] for i, j in mapping if not _is_literal(eqn.invars[i]) and eqn.invars[i] in carried
             )
             if inner_origin:
                 yield from _matmuls(inner, inner_origin, count * times, inner_hidden)
