@@ -311,6 +311,10 @@ class _Placement:
         out = eqn.primitive.bind(*operands, **eqn.primitive.get_bind_params(eqn.params))
         return out if out_dim is None else self.constrain(out, out_dim)
 
+    def _row_devices(self) -> int:
+        """Devices the tokens' rows are split over (a row group is the tokens of ``1 /`` this)."""
+        return math.prod(dict(self.mesh.shape).get(a, 1) for a in self.token_axes)
+
     def _column_parallel(self, eqn: Any, args: list[Any]) -> int | None:
         """The output dimension to keep split over ``tensor`` where ``eqn`` is a column-parallel
         matmul (a weight split over ``tensor`` on a free dimension, the other operand no weight's
@@ -329,8 +333,7 @@ class _Placement:
             d, tokens = split[w], args[1 - w]
             if d is None or split[1 - w] is not None or d in contract[w] or d in batch[w]:
                 continue
-            row_devices = math.prod(dict(self.mesh.shape).get(a, 1) for a in self.token_axes)
-            if args[w].size * args[w].dtype.itemsize >= tokens.size * tokens.dtype.itemsize / row_devices:
+            if args[w].size * args[w].dtype.itemsize >= tokens.size * tokens.dtype.itemsize / self._row_devices():
                 return _free_out_dim(eqn, w, d)
         return None
 
@@ -356,7 +359,7 @@ class _Placement:
             return None
         n = dict(self.mesh.shape).get(self.axis, 1)
         weight_bytes = args[weight].size * args[weight].dtype.itemsize / n  # an expert group's
-        row_devices = math.prod(dict(self.mesh.shape)[a] for a in self.token_axes if a in self.mesh.shape)
+        row_devices = self._row_devices()
         routed_bytes = max(tokens.size * tokens.dtype.itemsize, math.prod(out.shape) * out.dtype.itemsize)
         routed_bytes /= row_devices
         if 3 * weight_bytes >= 2 * routed_bytes:

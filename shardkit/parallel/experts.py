@@ -26,6 +26,7 @@ from shardkit.parallel.sorted_experts import (
     Weights,
     einsum_split,
     experts_island,
+    once_over,
     row_capacity,
     sorted_experts,
 )
@@ -411,10 +412,7 @@ def _experts_on_buffers(
         h = activation(h if in_bias is None else h + in_bias.astype(dtype)[:, None, None])  # (E, G, C, F)
     out = jnp.einsum("egcf,efd->egcd", h, w_out.astype(dtype))  # (E, G, C, D)
     if out_bias is not None:  # on empty slots too: their combine weight is 0
-        bias = out_bias.astype(dtype)[:, None, None]
-        if hidden_axis:  # the partial sums over the hidden units are added up: the bias once
-            bias = bias * (jax.lax.axis_index(hidden_axis) == 0).astype(dtype)
-        out = out + bias
+        out = out + once_over(out_bias.astype(dtype)[:, None, None], hidden_axis)
     return out
 
 

@@ -425,6 +425,14 @@ def routed_pairs(
     return pair_out[jnp.argsort(order)].reshape(n_tokens, k, -1), sent
 
 
+def once_over(bias: jax.Array, hidden_axis: str | None) -> jax.Array:
+    """An output bias as one device of the manual ``hidden_axis`` adds it (the others add 0):
+    the partial sums over the hidden units are added up, so the bias is counted once."""
+    if not hidden_axis:
+        return bias
+    return bias * (jax.lax.axis_index(hidden_axis) == 0).astype(bias.dtype)
+
+
 def by_expert(rows: jax.Array, slot_expert: jax.Array, local_experts: int, fn: Callable[..., jax.Array]) -> jax.Array:
     """``fn(grouped (M, D), sizes (E_l,), which (M,)) -> (M, D')`` on ``rows`` sorted by their
     local expert (empty slots, ``local_experts``, last), its output put back in the rows' order,
@@ -467,9 +475,7 @@ def _grouped_experts(
         out = grouped_matmul(h.astype(rows.dtype), w_out.astype(rows.dtype), sizes, platform)  # (M, D)
         if out_bias is not None:
             bias = out_bias.astype(rows.dtype)[which]
-            if split.hidden_axis:  # the partial sums over the hidden units are added up: the bias once
-                bias = bias * (jax.lax.axis_index(split.hidden_axis) == 0).astype(rows.dtype)
-            out = out + bias
+            out = out + once_over(bias, split.hidden_axis)
         return out
 
     return by_expert(rows, slot_expert, local_experts, experts)

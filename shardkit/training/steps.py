@@ -468,11 +468,8 @@ def experts_placed(model: Model, plan: ShardingPlan) -> Model:
     specs = jax.tree.leaves(plan.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     rows = [a for a in dict(plan.rules.rules).get("batch", ()) if a != "expert"]
     dims, grouped = {}, {}
-    tensor_dims = {
-        i: next(k for k, e in enumerate(spec) if "tensor" in entry_axes(e))
-        for i, spec in enumerate(specs)
-        if any("tensor" in entry_axes(e) for e in spec)
-    }
+    over_tensor = ((i, [k for k, e in enumerate(spec) if "tensor" in entry_axes(e)]) for i, spec in enumerate(specs))
+    tensor_dims = {i: split[0] for i, split in over_tensor if split}
     for i, d in expert_dims(parameter_leaves(model, plan.abstract_params)).items():
         entries = tuple(specs[i])
         if d < len(entries) and "expert" in entry_axes(entries[d]) and plan.layout.size("expert") > 1:
